@@ -1,0 +1,35 @@
+"""trainsnap: crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
+
+from ._version import __version__
+from .capture import Sharded
+from .errors import (
+    CommitFailedError,
+    CorruptError,
+    IncompatibleError,
+    IncompleteError,
+    InvalidArgumentError,
+    NotFoundError,
+    TrainsnapError,
+)
+from .snapshot import SnapshotInfo, list_snapshots, load, save
+from .storage import open_storage
+from .verify import VerifyReport, verify
+
+__all__ = [
+    "CommitFailedError",
+    "CorruptError",
+    "IncompatibleError",
+    "IncompleteError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "Sharded",
+    "SnapshotInfo",
+    "TrainsnapError",
+    "VerifyReport",
+    "__version__",
+    "list_snapshots",
+    "load",
+    "open_storage",
+    "save",
+    "verify",
+]

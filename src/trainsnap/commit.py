@@ -1,0 +1,163 @@
+"""The commit: what makes a snapshot exist, and the one function that decides it.
+
+A snapshot is committed when, and only when, its marker ``snapshots/<id>/COMMITTED`` exists and
+names a manifest of the size it records. The marker is written last:
+
+1. (all ranks) every object the manifest will reference is written (content-addressed, fsynced,
+   renamed) and its size checked back;
+2. (coordinator) ``manifest.json`` is written whole;
+3. (coordinator) the marker -- the manifest's size and checksum -- is written whole.
+
+A crash before step 3 leaves no marker: the snapshot does not exist for any reader, and its
+objects are garbage for the collector. A crash after step 3 leaves a complete snapshot. Readers
+go further than :func:`committed_marker` before trusting bytes: :func:`open_snapshot` checks the
+manifest against the marker's checksum and its schema, and every block read is verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import faults
+from .errors import CorruptError, IncompatibleError, IncompleteError, NotFoundError, TrainsnapError
+from .manifest import (
+    Manifest,
+    Marker,
+    check_manifest_bytes,
+    check_snapshot_id,
+    decode,
+    decode_marker,
+    encode,
+    encode_marker,
+    manifest_key,
+    marker_key,
+)
+from .storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+def new_snapshot_id(step: int) -> str:
+    """``step-<12 digits>-<8 random hex>``: sorts by step, unique across attempts and jobs."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:012d}-{secrets.token_hex(4)}"
+
+
+def write_commit(storage: Storage, manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
+    """Steps 2 and 3 of the protocol (coordinator). Returns the manifest bytes."""
+    data = encode(manifest)
+    sid = manifest.snapshot_id
+    faults.point("before_manifest")
+    storage.put(manifest_key(sid), data)
+    faults.point("before_marker")
+    storage.put(marker_key(sid), encode_marker(manifest, data, writer))
+    faults.point("after_marker")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    snapshot_id: str
+    marker: Marker
+
+    @property
+    def step(self) -> int:
+        return int(self.marker.summary.get("step", -1))
+
+
+def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
+    """The marker of a committed snapshot, or raise why it is not one.
+
+    This is the single definition of "committed" used by listing, latest, retention, collection
+    and load: a well-formed marker whose manifest exists with the recorded size.
+    """
+    check_snapshot_id(snapshot_id)
+    try:
+        raw = storage.get(marker_key(snapshot_id))
+    except FileNotFoundError:
+        try:
+            storage.stat(manifest_key(snapshot_id))
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"snapshot {snapshot_id} does not exist in {storage.url}; "
+                "`trainsnap ls` lists the committed ones",
+                snapshot_id=snapshot_id,
+                path=storage.url,
+            ) from None
+        raise IncompleteError(
+            f"snapshot {snapshot_id} in {storage.url} was never committed (no marker): its save "
+            "was interrupted. It will never be read; the collector removes it.",
+            snapshot_id=snapshot_id,
+            path=marker_key(snapshot_id),
+        ) from None
+    marker = decode_marker(raw, snapshot_id)
+    try:
+        size = storage.stat(manifest_key(snapshot_id))
+    except FileNotFoundError:
+        raise CorruptError(
+            f"snapshot {snapshot_id} has a commit marker but no manifest: it was damaged after "
+            "commit",
+            snapshot_id=snapshot_id,
+            path=manifest_key(snapshot_id),
+        ) from None
+    if size != marker.manifest_size:
+        raise CorruptError(
+            f"manifest of snapshot {snapshot_id} is {size} bytes, its marker recorded "
+            f"{marker.manifest_size}: changed or truncated after commit",
+            snapshot_id=snapshot_id,
+            path=manifest_key(snapshot_id),
+        )
+    return marker
+
+
+def open_snapshot(storage: Storage, snapshot_id: str) -> Manifest:
+    """The manifest of a committed snapshot, checked against its marker and validated."""
+    marker = committed_marker(storage, snapshot_id)
+    try:
+        data = storage.get(manifest_key(snapshot_id))
+    except FileNotFoundError:
+        raise CorruptError(
+            f"manifest of snapshot {snapshot_id} disappeared", snapshot_id=snapshot_id
+        ) from None
+    check_manifest_bytes(marker, data)
+    return decode(data, snapshot_id=snapshot_id)
+
+
+def snapshot_ids(storage: Storage) -> set[str]:
+    """Every snapshot id that has anything stored, committed or not."""
+    ids = set()
+    for key in storage.list("snapshots/"):
+        parts = key.split("/")
+        if len(parts) >= 2:
+            try:
+                ids.add(check_snapshot_id(parts[1]))
+            except IncompatibleError:
+                continue
+    return ids
+
+
+def list_committed(
+    storage: Storage, problems: list[TrainsnapError] | None = None
+) -> list[Committed]:
+    """Committed snapshots, oldest first (by step, then creation time, then id).
+
+    A snapshot whose marker exists but is damaged is left out of the list and, when
+    ``problems`` is given, reported there; an uncommitted one is silently left out.
+    """
+    out = []
+    for sid in snapshot_ids(storage):
+        try:
+            out.append(Committed(sid, committed_marker(storage, sid)))
+        except (IncompleteError, NotFoundError):
+            continue
+        except TrainsnapError as e:
+            log.warning("snapshot %s is not readable: %s", sid, e)
+            if problems is not None:
+                problems.append(e)
+    out.sort(key=lambda c: (c.step, str(c.marker.summary.get("created", "")), c.snapshot_id))
+    return out

@@ -1,0 +1,231 @@
+"""The I/O engine: a thread pool that hashes and writes objects, and verified ranged reads.
+
+Hashing (xxhash, hashlib) and the read/write system calls release the GIL, so a few threads
+keep the disk busy while Python only schedules. Every block a reader touches is verified against
+its digest before the caller can use the bytes; a reader fetches whole blocks, so a range costs
+at most one block of extra bytes at each end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from . import faults
+from .checksum import Hasher
+from .errors import CorruptError
+from .manifest import Manifest, object_key
+from .storage.base import ShortReadError, Storage
+
+T = TypeVar("T")
+
+
+def run_all(tasks: Iterable[Callable[[], T]], threads: int) -> list[T]:
+    """Run tasks on a pool; on the first failure cancel what has not started, wait for what has
+    (no thread may touch caller memory after this returns), and raise that failure."""
+    tasks = list(tasks)
+    if not tasks:
+        return []
+    if threads <= 1 or len(tasks) == 1:
+        return [t() for t in tasks]
+    with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as pool:
+        futures: list[Future[T]] = [pool.submit(t) for t in tasks]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception()]
+        if failed:
+            for f in pending:
+                f.cancel()
+            wait(pending)
+            exc = failed[0].exception()
+            assert exc is not None
+            raise exc
+        return [f.result() for f in futures]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (writable if the tensor is)."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "caller stages first"
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenObject:
+    name: str
+    size: int
+    digests: bytes
+    written: bool
+    """False when an object with this name (hence these bytes) was already stored."""
+
+
+def write_object(storage: Storage, hasher: Hasher, data: memoryview) -> WrittenObject:
+    """Hash ``data``, name it by its content and store it unless it is already there."""
+    digests = hasher.block_digests(data)
+    name = hasher.object_name(len(data), digests)
+    key = object_key(name)
+    try:
+        if storage.stat(key) == len(data):
+            return WrittenObject(name, len(data), digests, False)
+    except FileNotFoundError:
+        pass
+    faults.point("before_write")
+    storage.put(key, data)
+    faults.point("after_write")
+    stored = storage.stat(key)
+    if stored != len(data):
+        raise OSError(f"object {key} reads back {stored} bytes after writing {len(data)}")
+    return WrittenObject(name, len(data), digests, True)
+
+
+def gather(parts: list[memoryview], size: int) -> memoryview:
+    """One contiguous buffer holding ``parts`` back to back (a single part is not copied)."""
+    if len(parts) == 1:
+        return parts[0]
+    buf = bytearray(size)
+    pos = 0
+    for p in parts:
+        buf[pos : pos + len(p)] = p
+        pos += len(p)
+    assert pos == size
+    return memoryview(buf)
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+class BytesBudget:
+    """A counting semaphore of bytes: bounds the host memory held in bounce buffers."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        n = min(n, self.limit)
+        with self._cv:
+            self._cv.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        n = min(n, self.limit)
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+class Reader:
+    """Verified reads of a committed snapshot's payloads (shard bytes, value bytes)."""
+
+    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+        self.storage = storage
+        self.m = manifest
+        self.hasher = manifest.hasher
+        self._scratch = threading.local()
+        self._chunk_pos: dict[int, list[int]] = {}
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def _block(self) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None:
+            buf = self._scratch.buf = memoryview(bytearray(self.m.block_size))
+        return buf
+
+    def _fail(self, o: int, what: str, key: str) -> CorruptError:
+        name = self.m.object_names[o]
+        return CorruptError(
+            f"snapshot {self.m.snapshot_id}: object {name} ({what}) while reading {key!r}. The "
+            "snapshot is damaged; restore an older one (CheckpointManager.restore falls back "
+            "automatically) and run `trainsnap verify` on the root.",
+            snapshot_id=self.m.snapshot_id,
+            key=key,
+            path=object_key(name),
+        )
+
+    def _get(self, o: int, start: int, out: memoryview, key: str) -> None:
+        try:
+            self.storage.read_into(object_key(self.m.object_names[o]), start, out)
+        except FileNotFoundError as e:
+            raise self._fail(o, "is missing", key) from e
+        except ShortReadError as e:
+            raise self._fail(o, "is truncated", key) from e
+        with self._lock:
+            self.bytes_read += len(out)
+
+    def _check(self, o: int, first_block: int, data: memoryview, key: str) -> None:
+        d = self.hasher.digest_size
+        bs = self.m.block_size
+        expected = self.m.object_blocks(o)
+        for i in range(0, len(data), bs):
+            b = first_block + i // bs
+            if self.hasher.digest(data[i : i + bs]) != expected[b * d : (b + 1) * d]:
+                raise self._fail(o, f"block {b} fails its checksum", key)
+
+    def read_object(self, o: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        """Fill ``out`` with bytes ``[start, stop)`` of object ``o``, every block verified.
+
+        Whole blocks inside the range are read straight into ``out``; a block cut by either
+        end of the range is read into a per-thread scratch block, verified, and copied.
+        """
+        assert len(out) == stop - start
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[o])
+        pos = start
+        while pos < stop:
+            b = pos // bs
+            b_lo, b_hi = b * bs, min((b + 1) * bs, size)
+            if pos == b_lo and stop >= b_hi:
+                # A run of whole blocks: read directly, verify in place.
+                n_whole = (stop - b_lo) // bs
+                run_hi = min(b_lo + n_whole * bs, size) if n_whole else b_hi
+                if stop == size:
+                    run_hi = size
+                dst = out[pos - start : run_hi - start]
+                self._get(o, pos, dst, key)
+                self._check(o, b, dst, key)
+                pos = run_hi
+                continue
+            scratch = self._block()[: b_hi - b_lo]
+            self._get(o, b_lo, scratch, key)
+            self._check(o, b, scratch, key)
+            hi = min(stop, b_hi)
+            out[pos - start : hi - start] = scratch[pos - b_lo : hi - b_lo]
+            pos = hi
+
+    def payload_runs(self, owner: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Where bytes ``[start, stop)`` of a payload (shard or value row) live:
+        (object, object offset, payload offset, length) per chunk touched."""
+        rows = self.m.chunks_of(owner)
+        pos = self._chunk_pos.get(owner)
+        if pos is None:
+            pos = [0]
+            for c in rows:
+                pos.append(pos[-1] + int(self.m.chunk_length[c]))
+            self._chunk_pos[owner] = pos
+        out = []
+        for j, c in enumerate(rows):
+            lo, hi = max(start, pos[j]), min(stop, pos[j + 1])
+            if lo < hi:
+                oo = int(self.m.chunk_offset[c]) + lo - pos[j]
+                out.append((int(self.m.chunk_object[c]), oo, lo, hi - lo))
+        return out
+
+    def read_payload(self, owner: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        for o, oo, po, n in self.payload_runs(owner, start, stop):
+            self.read_object(o, oo, oo + n, out[po - start : po - start + n], key)
+
+    def payload_size(self, owner: int) -> int:
+        return sum(int(self.m.chunk_length[c]) for c in self.m.chunks_of(owner))

@@ -1,0 +1,107 @@
+"""The errors trainsnap raises on purpose.
+
+Every error is a :class:`TrainsnapError`; the subclasses say what kind of thing went wrong so that
+callers (and the manager's fallback logic) can react to the kind rather than parse messages. Each
+carries what is known of where it happened -- snapshot id, key, rank, path -- as attributes, and
+its message says what failed, the likely cause and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "CommitFailedError",
+    "CorruptError",
+    "IncompatibleError",
+    "IncompleteError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "TrainsnapError",
+]
+
+
+class TrainsnapError(Exception):
+    """Base of every error trainsnap raises on purpose.
+
+    Attributes:
+        snapshot_id: the snapshot concerned, when known.
+        key: the state key (``model.layers.0.weight``) or storage key concerned, when known.
+        path: the storage path or URL concerned, when known.
+        rank: the rank on which it happened, when known.
+        problems: for errors that gather several findings (verification, a collective failure),
+            each finding as one line.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        snapshot_id: str | None = None,
+        key: str | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+        problems: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.snapshot_id = snapshot_id
+        self.key = key
+        self.path = path
+        self.rank = rank
+        self.problems = list(problems)
+
+    def __str__(self) -> str:
+        if not self.problems:
+            return self.message
+        lines = [self.message, *(f"  - {p}" for p in self.problems)]
+        return "\n".join(lines)
+
+
+class NotFoundError(TrainsnapError):
+    """A snapshot, root or key that was asked for does not exist."""
+
+
+class IncompleteError(TrainsnapError):
+    """A snapshot exists but was never committed (no marker): it must not be read."""
+
+
+class CorruptError(TrainsnapError):
+    """Stored bytes do not match what the manifest or marker recorded (checksum, size, presence)."""
+
+
+class IncompatibleError(TrainsnapError):
+    """A snapshot cannot be used as asked: unknown format version, schema violation, a shape or
+    dtype that differs from the state, a resume level it cannot give, or content (pickle) that
+    needs an explicit opt-in."""
+
+
+class CommitFailedError(TrainsnapError):
+    """A save did not commit. Nothing of it will ever be listed or read.
+
+    Attributes:
+        rank_errors: for a multi-rank save, each failing rank and its cause.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank_errors: Mapping[int, str] | None = None,
+        snapshot_id: str | None = None,
+        key: str | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+        problems: Sequence[str] = (),
+    ) -> None:
+        errs = dict(rank_errors or {})
+        lines = list(problems) or [f"rank {r}: {e}" for r, e in sorted(errs.items())]
+        super().__init__(
+            message, snapshot_id=snapshot_id, key=key, path=path, rank=rank, problems=lines
+        )
+        self.rank_errors = errs
+
+
+class InvalidArgumentError(TrainsnapError, ValueError):
+    """The caller passed something trainsnap cannot work with (a bad root, a bad key, a value
+    that is neither tensor nor plain data, a bad option)."""

@@ -1,0 +1,201 @@
+"""Loading into a given state: match keys, plan ranged reads, read and verify, fill in place.
+
+For each tensor the state asks for, the saved shards that meet the local shard are found by a
+sort-and-sweep index (:class:`trainsnap.spec.RegionIndex`) and intersected into pieces. A piece
+contiguous on both sides is read straight into the destination's memory, chunk by chunk; any
+other piece (a column slice, a re-cut flat range) goes through a bounce buffer of bounded size
+and one strided copy. Destinations that are not CPU-contiguous are filled through a contiguous
+work tensor. Every block read is verified before its bytes are used.
+
+All checks that need no data (missing keys, shapes, dtypes, coverage) run before the first byte
+is read, so a load refused for those reasons leaves the state untouched. A load that fails while
+reading (a corrupt block) leaves the state partially filled: load again, from this snapshot or
+another, before using it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import codec, tunables
+from .capture import Targets, TensorItem, ValueTarget
+from .engine import BytesBudget, Reader, run_all, tensor_bytes
+from .errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
+from .manifest import Manifest, keys_summary
+from .spec import Piece, RegionIndex
+from .storage.base import Storage
+
+log = logging.getLogger("trainsnap.load")
+
+
+@dataclass(slots=True)
+class _Dest:
+    item: TensorItem
+    work: torch.Tensor
+    """Contiguous CPU tensor the reads fill: the destination itself when possible."""
+    direct: bool
+    itemsize: int
+
+
+def _dest(item: TensorItem) -> _Dest:
+    t = item.local.detach()
+    direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
+    return _Dest(item, work, direct, t.element_size())
+
+
+def match(m: Manifest, tg: Targets, rank: int) -> list[tuple[_Dest, int]]:
+    """Pair each target tensor with its saved tensor; refuse (before reading anything) keys the
+    snapshot lacks, and shapes or dtypes that differ."""
+    missing: list[str] = []
+    problems: list[tuple[str, str]] = []
+    pairs = []
+    for item in tg.tensors:
+        t = m.find_tensor(item.key, rank)
+        if t is None:
+            missing.append(item.key)
+            continue
+        saved_dtype, want = m.tensor_dtypes[t], codec.dtype_name(item.local.dtype)
+        if saved_dtype != want:
+            problems.append((item.key, f"saved as {saved_dtype}, the state holds {want}"))
+        if m.tensor_shapes[t] != item.global_shape:
+            problems.append(
+                (
+                    item.key,
+                    f"saved with shape {list(m.tensor_shapes[t])}, "
+                    f"the state holds {list(item.global_shape)}",
+                )
+            )
+        pairs.append((_dest(item), t))
+    for v in tg.values:
+        if m.find_value(v.key, rank) is None:
+            missing.append(v.key)
+    if missing:
+        raise NotFoundError(
+            f"snapshot {m.snapshot_id} lacks {len(missing)} key(s) the state asks for: "
+            f"{keys_summary(missing)}. Load into a state that matches the one saved, or remove "
+            "those keys from the state you load into.",
+            snapshot_id=m.snapshot_id,
+            key=missing[0],
+        )
+    if problems:
+        raise IncompatibleError(
+            f"snapshot {m.snapshot_id} does not fit the state: the tensors differ. Build the "
+            "state with the model and optimizer configuration that was saved.",
+            snapshot_id=m.snapshot_id,
+            key=problems[0][0],
+            problems=[f"{k!r}: {why}" for k, why in problems],
+        )
+    return pairs
+
+
+def _piece_tasks(
+    reader: Reader, dest: _Dest, shard: int, piece: Piece, budget: BytesBudget, max_elems: int
+) -> list[Callable[[], None]]:
+    isz, key = dest.itemsize, dest.item.key
+    if dest.direct and piece.src_contiguous and piece.dst_contiguous:
+        out = tensor_bytes(dest.work)
+        src0, dst0, n = piece.src_offset * isz, piece.dst_offset * isz, piece.numel * isz
+        tasks = []
+        for _o, _oo, po, length in reader.payload_runs(shard, src0, src0 + n):
+            lo = dst0 + po - src0
+            tasks.append(
+                lambda po=po, lo=lo, length=length: reader.read_payload(
+                    shard, po, po + length, out[lo : lo + length], key
+                )
+            )
+        return tasks
+
+    def bounce(part: Piece) -> None:
+        lo, hi = part.src_span()
+        nbytes = (hi - lo) * isz
+        budget.acquire(nbytes)
+        try:
+            buf = bytearray(nbytes)
+            reader.read_payload(shard, lo * isz, hi * isz, memoryview(buf), key)
+            src = torch.frombuffer(buf, dtype=torch.uint8).view(dest.work.dtype)
+            src = src.as_strided(part.sizes, part.src_strides, part.src_offset - lo)
+            w = dest.work
+            dst = w.as_strided(part.sizes, part.dst_strides, w.storage_offset() + part.dst_offset)
+            dst.copy_(src)
+        finally:
+            budget.release(nbytes)
+
+    return [lambda p=p: bounce(p) for p in piece.split(max_elems)]
+
+
+def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -> None:
+    """Read every destination's elements; each destination gets every element exactly once."""
+    t = tunables.get()
+    m = reader.m
+    budget = BytesBudget(t.read_budget)
+    tasks: list[Callable[[], None]] = []
+    indexes: dict[int, tuple[list[int], RegionIndex]] = {}
+    for dest, ti in pairs:
+        if ti not in indexes:
+            shards = m.tensor_shards(ti)
+            indexes[ti] = ([s for s, _ in shards], RegionIndex([r for _, r in shards], m.tensor_shapes[ti]))
+        ids, index = indexes[ti]
+        found = index.overlapping(dest.item.region)
+        covered = sum(p.numel for _, ps in found for p in ps)
+        if covered != dest.item.region.numel:
+            raise CorruptError(
+                f"snapshot {m.snapshot_id}: the saved shards of {dest.item.key!r} cover {covered} "
+                f"of the {dest.item.region.numel} elements this rank needs (shards overlap or "
+                "leave a gap); the manifest is inconsistent",
+                snapshot_id=m.snapshot_id,
+                key=dest.item.key,
+            )
+        max_elems = max(1, min(t.read_budget // 4, 64 << 20) // dest.itemsize)
+        for i, ps in found:
+            for p in ps:
+                tasks += _piece_tasks(reader, dest, ids[i], p, budget, max_elems)
+    run_all(tasks, threads)
+    for dest, _ in pairs:
+        if not dest.direct:
+            with torch.no_grad():
+                dest.item.local.copy_(dest.work)
+
+
+def read_values(
+    reader: Reader, m: Manifest, tg: Targets, rank: int, *, allow_pickle: bool
+) -> list[tuple[ValueTarget, Any]]:
+    """Read, verify and decode every value the state asks for (nothing is assigned yet)."""
+    base = m.value_chunk_base()
+    decoded = []
+    for v in tg.values:
+        vi = m.find_value(v.key, rank)
+        assert vi is not None  # match() checked
+        n = reader.payload_size(base + vi)
+        buf = bytearray(n)
+        reader.read_payload(base + vi, 0, n, memoryview(buf), v.key)
+        value = codec.decode(
+            m.value_codecs[vi], bytes(buf), v.key, allow_pickle=allow_pickle,
+            snapshot_id=m.snapshot_id,
+        )  # fmt: skip
+        decoded.append((v, value))
+    return decoded
+
+
+def fill(
+    storage: Storage, m: Manifest, tg: Targets, rank: int, *, allow_pickle: bool
+) -> Reader:
+    """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
+    loaded refuses the load before any tensor is touched), then tensors, then values are put in
+    their containers and stateful objects get their state dicts back."""
+    pairs = match(m, tg, rank)
+    reader = Reader(storage, m)
+    values = read_values(reader, m, tg, rank, allow_pickle=allow_pickle)
+    load_tensors(reader, pairs, tunables.get().io_threads)
+    for v, value in values:
+        if v.container is None:
+            raise InvalidArgumentError(f"nowhere to put the value {v.key!r}", key=v.key)
+        v.container[v.index] = value
+    for finish in tg.finishers:
+        finish()
+    return reader

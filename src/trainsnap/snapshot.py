@@ -1,0 +1,182 @@
+"""The public save / load / list functions and :class:`SnapshotInfo`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from . import commit
+from .capture import targets
+from .errors import IncompatibleError, InvalidArgumentError, NotFoundError
+from .loading import fill
+from .manifest import LEVELS, Manifest, Marker, level_rank
+from .saving import SaveOptions, save_local
+from .storage import Storage, open_storage
+
+log = logging.getLogger("trainsnap.load")
+
+Root = str | os.PathLike[str] | Storage
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A committed snapshot, as listed, saved or loaded.
+
+    ``level`` is what the snapshot offers when listed or saved, and what was reached when
+    returned by a load. ``nbytes`` is the bytes its objects occupy.
+    """
+
+    id: str
+    step: int
+    created: datetime
+    level: str
+    nbytes: int
+    root: str
+    tokens_seen: int | None = None
+
+    def wait(self) -> SnapshotInfo:
+        """A synchronous save is complete when it returns: this is the snapshot itself."""
+        return self
+
+    def done(self) -> bool:
+        return True
+
+    @staticmethod
+    def from_manifest(m: Manifest, root: str, level: str | None = None) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=m.snapshot_id,
+            step=m.step,
+            created=_parse_time(m.created),
+            level=level or m.level,
+            nbytes=m.nbytes,
+            root=root,
+            tokens_seen=m.tokens_seen,
+        )
+
+    @staticmethod
+    def from_marker(mk: Marker, root: str) -> SnapshotInfo:
+        s = mk.summary
+        return SnapshotInfo(
+            id=mk.snapshot_id,
+            step=int(s.get("step", -1)),
+            created=_parse_time(str(s.get("created", ""))),
+            level=str(s.get("level", "weights")),
+            nbytes=int(s.get("nbytes", 0)),
+            root=root,
+            tokens_seen=s.get("tokens_seen"),
+        )
+
+
+def _parse_time(s: str) -> datetime:
+    try:
+        return datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.fromtimestamp(0).astimezone()
+
+
+def save(
+    state: Any,
+    root: Root,
+    *,
+    step: int,
+    async_save: bool = False,
+    level: str = "strict",
+    tokens_seen: int | None = None,
+    samples_seen: int | None = None,
+    data_cursor: Any = None,
+    versions: Mapping[str, Any] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+    checksum: str = "xxh3-128",
+    storage_options: Mapping[str, Any] | None = None,
+) -> SnapshotInfo:
+    """Save ``state`` (a mapping of tensors, plain data and stateful objects) as a new snapshot
+    of ``root`` at ``step``, and commit it. Returns the committed snapshot.
+
+    ``versions`` (model, tokenizer, code, data...) are recorded for resume checks; ``meta`` is
+    free-form plain data kept in the manifest. Values that are not plain data are refused unless
+    ``allow_pickle``.
+    """
+    if async_save:
+        raise InvalidArgumentError("async_save is not available yet in this version of trainsnap")
+    storage = open_storage(root, **dict(storage_options or {}))
+    opts = SaveOptions(
+        step=step,
+        level=level,
+        tokens_seen=tokens_seen,
+        samples_seen=samples_seen,
+        data_cursor=data_cursor,
+        user_versions=dict(versions or {}),
+        meta=dict(meta or {}),
+        allow_pickle=allow_pickle,
+        checksum=checksum,
+    )
+    manifest = save_local(state, storage, opts)
+    return SnapshotInfo.from_manifest(manifest, storage.url)
+
+
+def resolve(storage: Storage, snapshot: str) -> str:
+    """The id ``snapshot`` names: ``"latest"`` is the newest committed snapshot."""
+    if snapshot != "latest":
+        return snapshot
+    found = commit.list_committed(storage)
+    if not found:
+        raise NotFoundError(
+            f"no committed snapshot in {storage.url}; save one first, or check the root",
+            path=storage.url,
+        )
+    return found[-1].snapshot_id
+
+
+def load(
+    state: Any,
+    root: Root,
+    *,
+    snapshot: str = "latest",
+    level: str = "strict",
+    allow_downgrade: bool = False,
+    allow_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> SnapshotInfo:
+    """Fill ``state`` in place from a committed snapshot of ``root`` (``"latest"`` or an id).
+
+    Exactly the keys ``state`` holds are filled: tensors in place, plain values into their
+    containers; a key the snapshot lacks is an error, keys it does not ask for are ignored.
+    ``level`` is the resume level required; a snapshot that cannot give it is refused unless
+    ``allow_downgrade``, and the returned info's ``level`` is the level reached.
+    """
+    if level not in LEVELS:
+        raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
+    t0 = time.perf_counter()
+    storage = open_storage(root, **dict(storage_options or {}))
+    sid = resolve(storage, snapshot)
+    m = commit.open_snapshot(storage, sid)
+    reached = level
+    if level_rank(m.level) < level_rank(level):
+        if not allow_downgrade:
+            raise IncompatibleError(
+                f"snapshot {sid} offers resume level {m.level!r}, {level!r} was asked. Pass "
+                f"level={m.level!r} or allow_downgrade=True to continue at the lower level.",
+                snapshot_id=sid,
+            )
+        reached = m.level
+    tg = targets(state)
+    reader = fill(storage, m, tg, rank=0, allow_pickle=allow_pickle)
+    dt = time.perf_counter() - t0
+    log.info(
+        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",
+        sid, m.step, reached, reader.bytes_read, dt, reader.bytes_read / max(dt, 1e-9) / 1e6,
+        storage.url,
+    )  # fmt: skip
+    return SnapshotInfo.from_manifest(m, storage.url, level=reached)
+
+
+def list_snapshots(root: Root, **storage_options: Any) -> list[SnapshotInfo]:
+    """Committed snapshots of ``root``, oldest step first."""
+    storage = open_storage(root, **storage_options)
+    return [SnapshotInfo.from_marker(c.marker, storage.url) for c in commit.list_committed(storage)]

@@ -1,0 +1,93 @@
+"""Storage backends, registered lazily by URL scheme.
+
+``open_storage("/data/run1")`` and ``open_storage("file:///data/run1")`` give a POSIX root,
+``memory://name`` an in-process fsspec root, ``s3://bucket/prefix`` an S3 root (``pip install
+trainsnap[s3]``; the endpoint comes from ``endpoint_url=`` or the ``AWS_ENDPOINT_URL``
+environment variable, credentials the usual AWS way). :func:`register` adds a scheme.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from ..errors import InvalidArgumentError
+from .base import Storage, check_key
+from .posix import PosixStorage
+
+__all__ = ["PosixStorage", "Storage", "check_key", "open_storage", "register"]
+
+Factory = Callable[[str, dict[str, Any]], Storage]
+_registry: dict[str, Factory] = {}
+
+
+def register(scheme: str, factory: Factory) -> None:
+    """Make ``scheme://...`` roots open with ``factory(url, options)``."""
+    _registry[scheme] = factory
+
+
+def _posix(url: str, options: dict[str, Any]) -> Storage:
+    path = urlparse(url).path if url.startswith("file://") else url
+    return PosixStorage(path, **options)
+
+
+def _memory(url: str, options: dict[str, Any]) -> Storage:
+    import fsspec
+
+    from .fsspec import FsspecStorage
+
+    fs = fsspec.filesystem("memory", **options)
+    return FsspecStorage(fs, url, url)
+
+
+def _s3(url: str, options: dict[str, Any]) -> Storage:
+    try:
+        import s3fs
+    except ImportError as e:
+        raise InvalidArgumentError(
+            f"root {url!r} needs s3fs, which is not installed: pip install 'trainsnap[s3]'",
+            path=url,
+        ) from e
+    from .fsspec import FsspecStorage
+
+    opts = dict(options)
+    endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
+    client_kwargs = dict(opts.pop("client_kwargs", {}))
+    if endpoint:
+        client_kwargs.setdefault("endpoint_url", endpoint)
+    fs = s3fs.S3FileSystem(
+        client_kwargs=client_kwargs,
+        use_listings_cache=False,
+        skip_instance_cache=True,
+        **opts,
+    )
+    parsed = urlparse(url)
+    if not parsed.netloc:
+        raise InvalidArgumentError(f"S3 root {url!r} names no bucket (s3://bucket/prefix)")
+    return FsspecStorage(fs, f"{parsed.netloc}{parsed.path}".rstrip("/"), url)
+
+
+register("", _posix)
+register("file", _posix)
+register("memory", _memory)
+register("s3", _s3)
+
+
+def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
+    """The storage for a root given as a path, a URL or an already open :class:`Storage`."""
+    if isinstance(root, Storage) and not isinstance(root, str | os.PathLike):
+        return root
+    url = os.fspath(root)
+    if not url:
+        raise InvalidArgumentError("root is empty; give a directory or a URL like s3://b/prefix")
+    scheme = urlparse(url).scheme if "://" in url else ""
+    factory = _registry.get(scheme)
+    if factory is None:
+        raise InvalidArgumentError(
+            f"no storage backend for scheme {scheme!r} in root {url!r}; known: "
+            f"{sorted(s for s in _registry if s)}, or a plain path",
+            path=url,
+        )
+    return factory(url, options)

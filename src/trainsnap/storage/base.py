@@ -1,0 +1,90 @@
+"""The storage protocol every backend implements.
+
+Five operations on keys relative to the root (``objects/ab/abcd...``, ``snapshots/<id>/...``):
+``put`` makes a whole object visible atomically (or not at all), ``get``/``read_into`` read a
+byte range, ``stat`` gives a size, ``list`` walks a prefix, ``delete`` removes. Capabilities are
+attributes, not subclasses. Backend errors leave a backend as builtins: ``FileNotFoundError`` for
+a missing key, ``OSError`` for the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+from ..errors import InvalidArgumentError
+
+Buffer = bytes | bytearray | memoryview
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ShortReadError(OSError):
+    """An object ended before the requested range: it is shorter than its writer made it."""
+
+
+def check_key(key: str) -> str:
+    """A relative, normalised key: no absolute path, no ``..``, no empty or hidden segments.
+
+    Every key reaching a backend passes here, so a crafted manifest cannot name a path outside
+    the root whatever it contains.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidArgumentError(f"storage key {key!r} is empty or not a string", key=str(key))
+    parts = key.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or not _SEGMENT.match(part):
+            raise InvalidArgumentError(
+                f"storage key {key!r} is not a plain relative path (segment {part!r})", key=key
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    if prefix == "":
+        return prefix
+    return check_key(prefix.rstrip("/")) + ("/" if prefix.endswith("/") else "")
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A root that holds immutable objects under relative keys."""
+
+    url: str
+    """Where it is, as the user would write it."""
+
+    readinto_is_zero_copy: bool
+    """True when :meth:`read_into` reads straight into the caller's memory (no bounce copy)."""
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        """Make ``key`` hold exactly ``data`` (or the concatenation of the buffers), durably and
+        atomically: a reader sees the whole new content or the previous state, never a part."""
+        ...
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (to the end when ``end`` is None)."""
+        ...
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` (a writable 1-D byte memoryview) with bytes from ``start``; raise
+        ``OSError`` if the object is shorter."""
+        ...
+
+    def stat(self, key: str) -> int:
+        """Size in bytes; ``FileNotFoundError`` when absent."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under ``prefix`` (a directory-like prefix ending in ``/``, or empty), any order."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; absent keys are not an error (deletion is idempotent)."""
+        ...
+
+
+def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    if isinstance(data, bytes | bytearray | memoryview):
+        return [memoryview(data).cast("B")]
+    return [memoryview(b).cast("B") for b in data]

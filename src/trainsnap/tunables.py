@@ -1,0 +1,86 @@
+"""Internal tunables, in one place, each overridable by an environment variable.
+
+These are not user options (those are keyword arguments of the public API); they are the knobs a
+performance investigation turns. ``TRAINSNAP_<NAME>`` overrides ``<name>``, read when first used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from .errors import InvalidArgumentError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Tunables:
+    block_size: int = 1 * MiB
+    """Bytes covered by one checksum. A read verifies whole blocks, so this is also the most a
+    ranged read fetches beyond what it needs at each end."""
+
+    chunk_size: int = 32 * MiB
+    """Largest object written for one shard chunk; bigger shards are cut into chunks this size.
+    Also the unit of reuse for incremental snapshots."""
+
+    pack_threshold: int = 1 * MiB
+    """Shards and values smaller than this are packed together into shared objects."""
+
+    io_threads: int = 8
+    """Threads of the I/O pool (reads, writes, hashing; hashing and syscalls release the GIL)."""
+
+    read_budget: int = 256 * MiB
+    """Most host memory a load holds in bounce buffers at once (strided pieces, devices)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 64:
+            raise InvalidArgumentError(
+                f"block_size must be a positive multiple of 64 bytes, got {self.block_size}"
+            )
+        if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
+            raise InvalidArgumentError(
+                f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
+                f"({self.block_size})"
+            )
+        if self.io_threads < 1:
+            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.read_budget < 2 * self.block_size:
+            raise InvalidArgumentError(
+                f"read_budget ({self.read_budget}) must hold at least two blocks "
+                f"({2 * self.block_size} bytes)"
+            )
+
+
+def from_env(environ: dict[str, str] | None = None) -> Tunables:
+    """The defaults with any ``TRAINSNAP_<NAME>`` environment overrides applied."""
+    env = os.environ if environ is None else environ
+    overrides: dict[str, int] = {}
+    for f in fields(Tunables):
+        raw = env.get(f"TRAINSNAP_{f.name.upper()}")
+        if raw is None:
+            continue
+        try:
+            overrides[f.name] = int(raw)
+        except ValueError as e:
+            raise InvalidArgumentError(
+                f"environment variable TRAINSNAP_{f.name.upper()}={raw!r} is not an integer"
+            ) from e
+    return Tunables(**overrides)
+
+
+_current: Tunables | None = None
+
+
+def get() -> Tunables:
+    """The tunables of this process (environment read once)."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+def set_for_testing(t: Tunables | None) -> None:
+    """Replace the process tunables (``None`` re-reads the environment on next use)."""
+    global _current
+    _current = t
