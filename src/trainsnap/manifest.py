@@ -700,12 +700,13 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
         if not isinstance(digest, str) or not isinstance(algorithm, str):
             raise ValueError("manifest.digest and manifest.algorithm must be strings")
         Hasher(algorithm)
+        summary = _check_summary(_dict(doc["summary"], "summary"), snapshot_id)
         marker = Marker(
             snapshot_id=check_snapshot_id(doc["snapshot_id"]),
             manifest_size=size,
             manifest_digest=digest,
             algorithm=algorithm,
-            summary=_dict(doc.get("summary", {}), "summary"),
+            summary=summary,
             writer=_dict(doc.get("writer", {}), "writer"),
         )
     except TrainsnapError:
@@ -720,6 +721,28 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
             snapshot_id=snapshot_id,
         )
     return marker
+
+
+def id_step(snapshot_id: str) -> int:
+    return int(check_snapshot_id(snapshot_id).split("-")[1])
+
+
+def _check_summary(s: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
+    """The marker repeats a few manifest fields for cheap listing; they must be well typed and
+    agree with the id (a verifier also checks them against the manifest)."""
+    step, nbytes, tokens = s.get("step"), s.get("nbytes"), s.get("tokens_seen")
+    for name, v in (("step", step), ("nbytes", nbytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"summary.{name}: expected a non-negative integer, got {v!r}")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+        raise ValueError(f"summary.tokens_seen: expected an integer or null, got {tokens!r}")
+    if not isinstance(s.get("created"), str):
+        raise ValueError("summary.created: expected a string")
+    if s.get("level") not in LEVELS:
+        raise ValueError(f"summary.level: expected one of {LEVELS}, got {s.get('level')!r}")
+    if step != id_step(snapshot_id):
+        raise ValueError(f"summary.step {step} disagrees with the snapshot id {snapshot_id}")
+    return s
 
 
 def check_manifest_bytes(marker: Marker, data: bytes) -> None:

@@ -21,6 +21,7 @@ from .engine import WrittenObject, gather, run_all, tensor_bytes, write_object
 from .errors import InvalidArgumentError
 from .manifest import LEVELS, STATE_KINDS, Manifest, ManifestBuilder
 from .plan import SaveLayout, layout_objects
+from .spec import Region, Shape, tiling_problems
 from .storage.base import Storage
 
 log = logging.getLogger("trainsnap.save")
@@ -157,11 +158,27 @@ def build_manifest(
     return b.build()
 
 
+def check_tiling(key: str, regions: list[Region], shape: Shape) -> None:
+    """Refuse, before anything is written, a tensor whose saved shards do not tile it."""
+    problems = tiling_problems(regions, shape)
+    if problems:
+        raise InvalidArgumentError(
+            f"the shards of {key!r} (global shape {list(shape)}) saved by all ranks together "
+            "do not cover it exactly once: every element must be saved by exactly one shard "
+            "(replicas are fine). Check the offsets / starts given to ts.Sharded.",
+            key=key,
+            problems=problems,
+        )
+
+
 def save_local(state: Any, storage: Storage, opts: SaveOptions) -> Manifest:
     """The whole save of a single process (no process group)."""
     t0 = time.perf_counter()
     hasher = Hasher(opts.checksum, tunables.get().block_size)
-    staged = stage(capture(state), allow_pickle=opts.allow_pickle)
+    cap = capture(state)
+    for t in cap.tensors:
+        check_tiling(t.key, [t.region], t.global_shape)
+    staged = stage(cap, allow_pickle=opts.allow_pickle)
     sid = new_snapshot_id(opts.step)
     layout, written = write_payloads(storage, hasher, staged.payloads, tunables.get().io_threads)
     topology = {"world_size": 1, "coordinator": 0, "mesh": {}}

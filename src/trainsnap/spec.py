@@ -144,7 +144,12 @@ def _extent(sizes: Shape, strides: Shape) -> int:
 
 
 def _is_contiguous(sizes: Shape, strides: Shape) -> bool:
-    return len(sizes) == 0 or (len(sizes) == 1 and strides[0] == 1)
+    expect = 1
+    for n, st in zip(reversed(sizes), reversed(strides), strict=True):
+        if st != expect:
+            return False
+        expect *= n
+    return True
 
 
 def _canonical(

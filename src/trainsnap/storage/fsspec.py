@@ -7,6 +7,7 @@ what is stored now.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,32 +31,48 @@ class FsspecStorage:
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         bufs = as_buffers(data)
         payload = bytes(bufs[0]) if len(bufs) == 1 else b"".join(bufs)
+        path = self._path(key)  # outside the try: a bad key stays InvalidArgumentError
         try:
-            self.fs.pipe_file(self._path(key), payload)
+            self.fs.pipe_file(path, payload)
         except OSError:
             raise
         except Exception as e:  # botocore and friends: keep the cause, give callers an OSError
             raise OSError(f"put {self.url}/{key} failed: {type(e).__name__}: {e}") from e
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        path = self._path(key)
+        if end is not None and end == start:
+            # s3fs would send the invalid range "bytes=5-4" and get the whole object back.
+            self.stat(key)  # a missing key is still FileNotFoundError
+            return b""
         try:
-            data: bytes = self.fs.cat_file(self._path(key), start=start, end=end)
-        except OSError:
+            # A whole read sends no Range: S3 refuses "bytes=0-" on an empty object (416).
+            data: bytes = self.fs.cat_file(path, start=start or None, end=end)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            # S3 also answers 416 to a range that starts at or past the end of the object.
+            if end is not None and self.stat(key) < end:
+                raise self._short(key, start, end, 0) from e
             raise
         except Exception as e:
             raise OSError(f"get {self.url}/{key} failed: {type(e).__name__}: {e}") from e
         if end is not None and len(data) != end - start:
-            raise ShortReadError(
-                f"{self.url}/{key}: short read ({len(data)} of {end - start} bytes at {start})"
-            )
+            raise self._short(key, start, end, len(data))
         return data
+
+    def _short(self, key: str, start: int, end: int, got: int) -> ShortReadError:
+        return ShortReadError(
+            f"{self.url}/{key}: short read ({got} of {end - start} bytes at {start})"
+        )
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         out[:] = self.get(key, start, start + len(out))
 
     def stat(self, key: str) -> int:
+        path = self._path(key)
         try:
-            info = self.fs.info(self._path(key))
+            info = self.fs.info(path)
         except OSError:
             raise
         except Exception as e:
@@ -80,7 +97,6 @@ class FsspecStorage:
         return self.fs._strip_protocol(self.root).rstrip("/") + "/"
 
     def delete(self, key: str) -> None:
-        try:
-            self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            pass
+        path = self._path(key)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)

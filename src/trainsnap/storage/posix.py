@@ -8,11 +8,14 @@ caller's memory.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from stat import S_ISDIR
 
 from .. import faults
 from .base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
@@ -92,7 +95,9 @@ class PosixStorage:
                 return f.read()
             data = f.read(end - start)
         if len(data) != end - start:
-            raise ShortReadError(f"{path}: short read ({len(data)} of {end - start} bytes at {start})")
+            raise ShortReadError(
+                f"{path}: short read ({len(data)} of {end - start} bytes at {start})"
+            )
         return data
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
@@ -114,7 +119,11 @@ class PosixStorage:
             os.close(fd)
 
     def stat(self, key: str) -> int:
-        return self._path(key).stat().st_size
+        path = self._path(key)
+        st = path.stat()
+        if S_ISDIR(st.st_mode):  # a directory holds objects but is not one (as on S3)
+            raise FileNotFoundError(errno.ENOENT, "not an object but a directory", str(path))
+        return st.st_size
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self.root / check_prefix(prefix) if prefix else self.root
@@ -185,7 +194,5 @@ def _fsync_dir(d: Path) -> None:
 
 
 def _unlink_quiet(p: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(p)
-    except FileNotFoundError:
-        pass

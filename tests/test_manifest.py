@@ -1,0 +1,229 @@
+"""Manifest and marker validation: crafted or damaged metadata only ever raises TrainsnapError
+kinds, and never makes a reader or verifier touch anything outside the root."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import trainsnap as ts
+from trainsnap import manifest as mf
+from trainsnap.checksum import Hasher
+from trainsnap.storage import PosixStorage
+
+_TEMPLATE: dict[str, Any] = {}
+
+
+class SpyStorage(PosixStorage):
+    """A POSIX root that records every key it is asked for and fails the test on any key that
+    would resolve outside the root."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.touched: list[str] = []
+
+    def _path(self, key: str) -> Path:
+        p = super()._path(key)
+        assert self.root in p.resolve().parents, f"{key!r} escapes the root"
+        self.touched.append(key)
+        return p
+
+
+def _template() -> dict[str, Any]:
+    """A root with one committed snapshot (built once), as {relative path: bytes}."""
+    if not _TEMPLATE:
+        with tempfile.TemporaryDirectory() as d:
+            state = {
+                "w": torch.arange(600, dtype=torch.float32).reshape(20, 30),
+                "b": torch.ones(7, dtype=torch.bfloat16),
+                "cfg": {"lr": 0.5, "names": ["a", "b"]},
+            }
+            info = ts.save(state, d, step=3)
+            _TEMPLATE["id"] = info.id
+            _TEMPLATE["files"] = {
+                p.relative_to(d).as_posix(): p.read_bytes() for p in Path(d).rglob("*") if p.is_file()
+            }
+    return _TEMPLATE
+
+
+def _materialise(root: Path, manifest: bytes | None, marker: bytes | None) -> str:
+    t = _template()
+    sid = t["id"]
+    for rel, data in t["files"].items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    if manifest is not None:
+        (root / mf.manifest_key(sid)).write_bytes(manifest)
+    if marker is not None:
+        (root / mf.marker_key(sid)).write_bytes(marker)
+    return sid
+
+
+def _reseal(manifest_bytes: bytes, sid: str) -> bytes:
+    """A marker that matches these manifest bytes, so validation goes past the checksum."""
+    h = Hasher()
+    return json.dumps(
+        {
+            "format": mf.MARKER_FORMAT,
+            "format_version": 1,
+            "snapshot_id": sid,
+            "manifest": {
+                "size": len(manifest_bytes),
+                "algorithm": h.algorithm,
+                "digest": h.digest(manifest_bytes).hex(),
+            },
+            "summary": json.loads(_template()["files"][mf.marker_key(sid)])["summary"],
+        }
+    ).encode()
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any, delete: bool) -> Any:
+    if not path:
+        return value
+    parent = doc
+    for p in path[:-1]:
+        parent = parent[p]
+    if delete and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return doc
+
+
+def _int_array(values: list[int]) -> str:
+    return base64.b64encode(np.array(values, "<i8").tobytes()).decode()
+
+
+hostile_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-3, 40),
+    st.floats(allow_nan=False),
+    st.sampled_from(
+        ["../../outside", "/etc/passwd", "objects/../../x", "step-000000000003-aaaa", "", "zz"]
+    ),
+    st.text(max_size=20),
+    st.lists(st.integers(-2, 40), max_size=6).map(_int_array),
+    st.lists(st.integers(-2, 5), max_size=4),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+
+
+def _outcomes(root: Path, sid: str) -> None:
+    storage = SpyStorage(root)
+    dst = {
+        "w": torch.zeros(20, 30),
+        "b": torch.zeros(7, dtype=torch.bfloat16),
+        "cfg": {"lr": 0.0, "names": None},
+    }
+    try:
+        ts.load(dst, storage, snapshot=sid)
+    except ts.TrainsnapError:
+        pass
+    try:
+        ts.list_snapshots(storage)
+        ts.verify(storage)
+    except ts.TrainsnapError:
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), reseal=st.booleans())
+def test_mutated_manifests_only_raise_trainsnap_errors(data, reseal):
+    t = _template()
+    sid = t["id"]
+    doc = json.loads(t["files"][mf.manifest_key(sid)])
+    path = data.draw(st.sampled_from(_paths(doc)))
+    value = data.draw(hostile_values)
+    doc = _set(copy.deepcopy(doc), path, value, delete=data.draw(st.booleans()))
+    raw = json.dumps(doc).encode()
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d) / "root"
+        outside = Path(d) / "outside"
+        outside.mkdir()
+        (outside / "sentinel").write_text("keep")
+        _materialise(root, raw, _reseal(raw, sid) if reseal else None)
+        _outcomes(root, sid)
+        assert (outside / "sentinel").read_text() == "keep"
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_markers_only_raise_trainsnap_errors(data):
+    t = _template()
+    sid = t["id"]
+    doc = json.loads(t["files"][mf.marker_key(sid)])
+    path = data.draw(st.sampled_from(_paths(doc)))
+    doc = _set(copy.deepcopy(doc), path, data.draw(hostile_values), data.draw(st.booleans()))
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d) / "root"
+        _materialise(root, None, json.dumps(doc).encode())
+        _outcomes(root, sid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=200))
+def test_garbage_bytes_are_corrupt_not_crashes(data):
+    with pytest.raises(ts.TrainsnapError):
+        mf.decode(data, snapshot_id="step-000000000001-abcd")
+    with pytest.raises(ts.TrainsnapError):
+        mf.decode_marker(data, "step-000000000001-abcd")
+
+
+def test_an_unknown_format_version_is_incompatible_and_says_upgrade():
+    t = _template()
+    doc = json.loads(t["files"][mf.manifest_key(t["id"])])
+    doc["format_version"] = 99
+    with pytest.raises(ts.IncompatibleError, match="Upgrade trainsnap"):
+        mf.decode(json.dumps(doc).encode())
+
+
+def test_a_round_trip_of_the_encoding_is_exact():
+    t = _template()
+    raw = t["files"][mf.manifest_key(t["id"])]
+    m = mf.decode(raw)
+    assert mf.encode(m) == raw
+
+
+def test_crafted_object_names_cannot_leave_the_root(tmp_path):
+    t = _template()
+    sid = t["id"]
+    doc = json.loads(t["files"][mf.manifest_key(sid)])
+    doc["objects"]["names"][0] = "../" * 6 + "etc/passwd"
+    raw = json.dumps(doc).encode()
+    _materialise(tmp_path, raw, _reseal(raw, sid))
+    with pytest.raises(ts.CorruptError, match="hex"):
+        ts.load({"w": torch.zeros(20, 30)}, SpyStorage(tmp_path), snapshot=sid)
+
+
+def test_golden_template_is_usable(tmp_path):
+    sid = _materialise(tmp_path, None, None)
+    dst = {"w": torch.zeros(20, 30)}
+    ts.load(dst, tmp_path, snapshot=sid)
+    assert dst["w"].reshape(-1).tolist() == list(range(600))
+    shutil.rmtree(tmp_path / "objects")
+    with pytest.raises(ts.CorruptError, match="missing"):
+        ts.load(dst, tmp_path, snapshot=sid)
