@@ -79,8 +79,8 @@ def test_many_tensors_across_packs_chunks_and_blocks(tmp_path, small_blocks):
     dst = {k: torch.full_like(v, 7.0) for k, v in state.items()}
     got = ts.load(dst, tmp_path)
     assert got.id == info.id
-    for k in state:
-        assert same_bits(dst[k], state[k]), k
+    for k, v in state.items():
+        assert same_bits(dst[k], v), k
 
 
 def test_plain_values_round_trip_with_their_types(tmp_path):

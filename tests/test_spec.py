@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from math import prod
 
 import numpy as np
@@ -44,7 +45,7 @@ def _flat_partition(draw: st.DrawFn, shape: tuple[int, ...]) -> list[Region]:
     n = prod(shape)
     cuts = sorted(draw(st.sets(st.integers(1, max(1, n - 1)), max_size=5)) - {n})
     bounds = [0, *cuts, n]
-    return [Flat(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [Flat(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 @st.composite

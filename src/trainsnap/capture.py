@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -150,8 +151,14 @@ def _leaf_tensor(key: str, t: torch.Tensor) -> TensorItem:
     return TensorItem(key, t, shape, Box.full(shape))
 
 
-def _walk(obj: Any, key: str, visit: Callable[[str, Any, Any, Any], None], parent: Any, idx: Any,
-          finishers: list[Callable[[], None]] | None) -> None:
+def _walk(
+    obj: Any,
+    key: str,
+    visit: Callable[[str, Any, Any, Any], None],
+    parent: Any,
+    idx: Any,
+    finishers: list[Callable[[], None]] | None,
+) -> None:
     if isinstance(obj, torch.Tensor | Sharded):
         visit(key, obj, parent, idx)
         return
@@ -165,7 +172,7 @@ def _walk(obj: Any, key: str, visit: Callable[[str, Any, Any, Any], None], paren
             )
         _walk_mapping(sd, key, visit, finishers)
         if finishers is not None:
-            finishers.append(lambda o=obj, s=sd: o.load_state_dict(s))
+            finishers.append(partial(obj.load_state_dict, sd))
         return
     if isinstance(obj, Mapping):
         _walk_mapping(obj, key, visit, finishers)
@@ -177,8 +184,12 @@ def _walk(obj: Any, key: str, visit: Callable[[str, Any, Any, Any], None], paren
     visit(key, obj, parent, idx)
 
 
-def _walk_mapping(m: Mapping[Any, Any], key: str, visit: Callable[[str, Any, Any, Any], None],
-                  finishers: list[Callable[[], None]] | None) -> None:
+def _walk_mapping(
+    m: Mapping[Any, Any],
+    key: str,
+    visit: Callable[[str, Any, Any, Any], None],
+    finishers: list[Callable[[], None]] | None,
+) -> None:
     for k, v in m.items():
         _walk(v, _join(key, k), visit, m, k, finishers)
 

@@ -24,18 +24,9 @@ from typing import Any
 
 from . import faults
 from .errors import CorruptError, IncompatibleError, IncompleteError, NotFoundError, TrainsnapError
-from .manifest import (
-    Manifest,
-    Marker,
-    check_manifest_bytes,
-    check_snapshot_id,
-    decode,
-    decode_marker,
-    encode,
-    encode_marker,
-    manifest_key,
-    marker_key,
-)
+from .manifest import Manifest, check_snapshot_id, manifest_key, marker_key
+from .marker import Marker, check_manifest_bytes, decode_marker, encode_marker
+from .schema import decode, encode
 from .storage.base import Storage
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,7 +35,7 @@ def run_all(tasks: Iterable[Callable[[], T]], threads: int) -> list[T]:
         return [t() for t in tasks]
     with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as pool:
         futures: list[Future[T]] = [pool.submit(t) for t in tasks]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         failed = [f for f in futures if f.done() and not f.cancelled() and f.exception()]
         if failed:
             for f in pending:
@@ -53,7 +53,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 # -- writing --------------------------------------------------------------------------------------

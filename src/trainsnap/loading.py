@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -101,14 +102,11 @@ def _piece_tasks(
     if dest.direct and piece.src_contiguous and piece.dst_contiguous:
         out = tensor_bytes(dest.work)
         src0, dst0, n = piece.src_offset * isz, piece.dst_offset * isz, piece.numel * isz
-        tasks = []
+        tasks: list[Callable[[], None]] = []
         for _o, _oo, po, length in reader.payload_runs(shard, src0, src0 + n):
             lo = dst0 + po - src0
-            tasks.append(
-                lambda po=po, lo=lo, length=length: reader.read_payload(
-                    shard, po, po + length, out[lo : lo + length], key
-                )
-            )
+            dst = out[lo : lo + length]
+            tasks.append(partial(reader.read_payload, shard, po, po + length, dst, key))
         return tasks
 
     def bounce(part: Piece) -> None:
@@ -126,7 +124,7 @@ def _piece_tasks(
         finally:
             budget.release(nbytes)
 
-    return [lambda p=p: bounce(p) for p in piece.split(max_elems)]
+    return [partial(bounce, p) for p in piece.split(max_elems)]
 
 
 def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -> None:
@@ -139,7 +137,10 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     for dest, ti in pairs:
         if ti not in indexes:
             shards = m.tensor_shards(ti)
-            indexes[ti] = ([s for s, _ in shards], RegionIndex([r for _, r in shards], m.tensor_shapes[ti]))
+            indexes[ti] = (
+                [s for s, _ in shards],
+                RegionIndex([r for _, r in shards], m.tensor_shapes[ti]),
+            )
         ids, index = indexes[ti]
         found = index.overlapping(dest.item.region)
         covered = sum(p.numel for _, ps in found for p in ps)
@@ -182,9 +183,7 @@ def read_values(
     return decoded
 
 
-def fill(
-    storage: Storage, m: Manifest, tg: Targets, rank: int, *, allow_pickle: bool
-) -> Reader:
+def fill(storage: Storage, m: Manifest, tg: Targets, rank: int, *, allow_pickle: bool) -> Reader:
     """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
     loaded refuses the load before any tensor is touched), then tensors, then values are put in
     their containers and stateful objects get their state dicts back."""

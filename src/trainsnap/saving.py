@@ -8,12 +8,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import torch
 
-from ._version import __version__ as _version
 from . import codec, tunables
+from ._version import __version__ as _version
 from .capture import Captured, capture
 from .checksum import Hasher
 from .commit import new_snapshot_id, write_commit
@@ -50,7 +51,9 @@ class SaveOptions:
             raise InvalidArgumentError(f"level must be one of {LEVELS}, got {self.level!r}")
         unknown = set(self.state_kinds) - set(STATE_KINDS)
         if unknown:
-            raise InvalidArgumentError(f"unknown state kinds {sorted(unknown)}; known {STATE_KINDS}")
+            raise InvalidArgumentError(
+                f"unknown state kinds {sorted(unknown)}; known {STATE_KINDS}"
+            )
 
 
 @dataclass(slots=True)
@@ -105,7 +108,7 @@ def write_payloads(
         parts = [payloads[p][off : off + n] for p, off, n in obj.parts]
         return write_object(storage, hasher, gather(parts, obj.size))
 
-    written = run_all([lambda i=i: task(i) for i in range(len(layout.objects))], threads)
+    written = run_all([partial(task, i) for i in range(len(layout.objects))], threads)
     return layout, written
 
 

@@ -14,7 +14,8 @@ from . import commit
 from .capture import targets
 from .errors import IncompatibleError, InvalidArgumentError, NotFoundError
 from .loading import fill
-from .manifest import LEVELS, Manifest, Marker, level_rank
+from .manifest import LEVELS, Manifest, level_rank
+from .marker import Marker
 from .saving import SaveOptions, save_local
 from .storage import Storage, open_storage
 

@@ -152,9 +152,7 @@ def _is_contiguous(sizes: Shape, strides: Shape) -> bool:
     return True
 
 
-def _canonical(
-    sizes: Shape, src_off: int, src_st: Shape, dst_off: int, dst_st: Shape
-) -> Piece:
+def _canonical(sizes: Shape, src_off: int, src_st: Shape, dst_off: int, dst_st: Shape) -> Piece:
     dims = [(n, a, b) for n, a, b in zip(sizes, src_st, dst_st, strict=True) if n != 1]
     merged: list[tuple[int, int, int]] = []
     for n, a, b in reversed(dims):
@@ -217,9 +215,9 @@ def box_intersection(a: Box, b: Box) -> Box | None:
     hi = tuple(
         min(x + n, y + m) for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
     )
-    if any(h <= l for l, h in zip(lo, hi, strict=True)):
+    if any(h <= a for a, h in zip(lo, hi, strict=True)):
         return None
-    return Box(lo, tuple(h - l for l, h in zip(lo, hi, strict=True)))
+    return Box(lo, tuple(h - a for a, h in zip(lo, hi, strict=True)))
 
 
 def _as_boxes(region: Region, shape: Shape) -> list[Box]:

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from . import commit, tunables
@@ -107,7 +108,9 @@ def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
         return [Problem(CorruptError, sid, f"object {name} is missing", key)]
     if stored != size:
         what = "truncated" if stored < size else "longer than recorded"
-        return [Problem(CorruptError, sid, f"object {name} is {what}: {stored} of {size} bytes", key)]
+        return [
+            Problem(CorruptError, sid, f"object {name} is {what}: {stored} of {size} bytes", key)
+        ]
     h = m.hasher
     expected = m.object_blocks(o)
     step = max(h.block_size, (16 << 20) // h.block_size * h.block_size)
@@ -129,9 +132,13 @@ def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
     out = []
     if bad_blocks:
         shown = ", ".join(map(str, bad_blocks[:8])) + (" ..." if len(bad_blocks) > 8 else "")
-        out.append(Problem(CorruptError, sid, f"object {name}: block(s) {shown} fail their checksum", key))
+        out.append(
+            Problem(CorruptError, sid, f"object {name}: block(s) {shown} fail their checksum", key)
+        )
     elif h.object_name(size, b"".join(digests)) != name:
-        out.append(Problem(CorruptError, sid, f"object {name}: name does not match its content", key))
+        out.append(
+            Problem(CorruptError, sid, f"object {name}: name does not match its content", key)
+        )
     return out
 
 
@@ -140,7 +147,9 @@ def _check_manifest(m: Manifest, marker_summary: dict[str, Any]) -> list[Problem
     out = []
     for k, v in m.summary().items():
         if k in marker_summary and marker_summary[k] != v:
-            out.append(Problem(CorruptError, sid, f"marker says {k}={marker_summary[k]!r}, manifest {v!r}"))
+            out.append(
+                Problem(CorruptError, sid, f"marker says {k}={marker_summary[k]!r}, manifest {v!r}")
+            )
     for t, shape in enumerate(m.tensor_shapes):
         regions = [r for _, r in m.tensor_shards(t)]
         for why in tiling_problems(regions, shape):
@@ -165,7 +174,9 @@ def _check_values(storage: Storage, m: Manifest) -> list[Problem]:
         except TrainsnapError:
             continue  # the object check reports the damage
         except ValueError as e:
-            out.append(Problem(CorruptError, m.snapshot_id, f"value {key!r} is not valid JSON: {e}"))
+            out.append(
+                Problem(CorruptError, m.snapshot_id, f"value {key!r} is not valid JSON: {e}")
+            )
     return out
 
 
@@ -193,7 +204,7 @@ def verify_snapshot(
             progress(done[0], total)
         return found
 
-    for found in run_all([lambda o=o: task(o) for o in todo], tunables.get().io_threads):
+    for found in run_all([partial(task, o) for o in todo], tunables.get().io_threads):
         rep.problems += found
     if rep.ok:
         rep.problems += _check_values(storage, m)

@@ -94,7 +94,8 @@ class FsspecStorage:
                 yield p[len(strip) :]
 
     def _strip_prefix(self) -> str:
-        return self.fs._strip_protocol(self.root).rstrip("/") + "/"
+        stripped: str = self.fs._strip_protocol(self.root)
+        return stripped.rstrip("/") + "/"
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -1,0 +1,34 @@
+"""Golden snapshots of every format version, kept forever: each must still load and verify."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+import trainsnap as ts
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_format_v1_golden_loads_bitwise_and_verifies(tmp_path):
+    root = tmp_path / "v1"
+    shutil.copytree(GOLDEN / "v1", root)  # never write into the checked-in copy
+    (info,) = ts.list_snapshots(root)
+    assert info.step == 42 and info.tokens_seen == 1000 and info.level == "strict"
+    state = {
+        "model": {"w": torch.zeros(20, 30), "b": torch.zeros(7, dtype=torch.bfloat16)},
+        "flag": torch.zeros(3, dtype=torch.bool),
+        "extra": {"lr": None, "betas": None, "name": None, "nan": None},
+    }
+    ts.load(state, root)
+    assert torch.equal(state["model"]["w"], torch.arange(600, dtype=torch.float32).reshape(20, 30))
+    assert torch.equal(state["model"]["b"], torch.arange(7, dtype=torch.bfloat16))
+    assert state["flag"].tolist() == [True, False, True]
+    extra = state["extra"]
+    assert extra["lr"] == 0.001 and extra["betas"] == (0.9, 0.95) and extra["name"] == "golden"
+    assert math.isnan(extra["nan"])
+    report = ts.verify(root)
+    assert report.ok and report.snapshots[0].objects == 4
