@@ -1,0 +1,210 @@
+"""The ``trainsnap`` command on real snapshots: listing, inspection, verification, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.progress import Progress
+from typer.testing import CliRunner, Result
+
+import trainsnap
+from trainsnap import commit
+from trainsnap.cli import _BytesDone, _geometry, _human, app
+from trainsnap.manifest import object_key
+from trainsnap.spec import Box, Flat
+from trainsnap.storage import open_storage
+
+STEPS = (10, 1, 5)
+"""Saved out of order, so that listing order is the command's doing."""
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args))
+
+
+def state(step: int) -> dict[str, object]:
+    """Small, and different at each step so that no two snapshots share an object."""
+    return {
+        "model": {
+            "w": torch.arange(12, dtype=torch.float32).reshape(3, 4) + step,
+            "b": torch.full((3,), step, dtype=torch.float16),
+        },
+        "epoch": step,
+    }
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    for step in STEPS:
+        trainsnap.save(state(step), str(tmp_path), step=step, tokens_seen=step * 100)
+    return tmp_path
+
+
+def ids_by_step(root: Path) -> dict[int, str]:
+    return {s.step: s.id for s in trainsnap.list_snapshots(str(root))}
+
+
+def flip_byte(root: Path, snapshot_id: str) -> str:
+    """Damage the first object of a snapshot; its name."""
+    m = commit.open_snapshot(open_storage(str(root)), snapshot_id)
+    name = m.object_names[0]
+    path = root / object_key(name)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return name
+
+
+# -- ls -------------------------------------------------------------------------------------------
+
+
+def test_ls_lists_steps_in_order(root: Path) -> None:
+    res = run("ls", str(root))
+    assert res.exit_code == 0, res.output
+    ids = ids_by_step(root)
+    positions = [res.stdout.index(ids[step]) for step in sorted(STEPS)]
+    assert positions == sorted(positions)
+    assert "3 committed snapshot(s)" in res.stdout
+    assert "uncommitted" not in res.stdout
+
+
+def test_ls_hides_uncommitted_snapshot(root: Path) -> None:
+    hidden = ids_by_step(root)[5]
+    (root / "snapshots" / hidden / "COMMITTED").unlink()
+    res = run("ls", str(root))
+    assert res.exit_code == 0, res.output
+    assert hidden not in res.stdout
+    assert "2 committed snapshot(s)" in res.stdout
+    assert "1 uncommitted snapshot(s) not listed" in res.stdout
+
+
+def test_ls_missing_root(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing-here"
+    res = run("ls", str(missing))
+    assert res.exit_code == 0, res.output
+    assert f"no committed snapshots in {missing}" in res.stdout
+
+
+def test_ls_verify_marks_corrupt_snapshot(root: Path) -> None:
+    ids = ids_by_step(root)
+    flip_byte(root, ids[1])
+    res = run("ls", str(root), "--verify")
+    assert res.exit_code == 0, res.output
+    rows = {
+        line.split()[1]: line.split()[-1] for line in res.stdout.splitlines() if "step-" in line
+    }
+    assert rows == {ids[1]: "CORRUPT", ids[5]: "ok", ids[10]: "ok"}
+
+
+# -- show -----------------------------------------------------------------------------------------
+
+
+def test_show_prints_keys_shapes_dtypes(root: Path) -> None:
+    sid = ids_by_step(root)[5]
+    res = run("show", str(root), sid)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert sid in out
+    for expected in ("model.w", "(3, 4)", "float32", "model.b", "(3,)", "float16", "epoch"):
+        assert expected in out
+    assert "tokens seen   500" in out
+
+
+def test_show_json_latest(root: Path) -> None:
+    res = run("show", str(root), "latest", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["id"] == ids_by_step(root)[10]
+    assert doc["step"] == 10
+    tensors = {t["key"]: t for t in doc["tensors"]}
+    assert tensors["model.w"]["shape"] == [3, 4]
+    assert tensors["model.w"]["dtype"] == "float32"
+    assert tensors["model.w"]["nbytes"] == 48
+    assert tensors["model.b"]["shards"] == [
+        {"kind": "box", "offsets": [0], "sizes": [3], "nbytes": 6}
+    ]
+    assert [v["key"] for v in doc["values"]] == ["epoch"]
+    assert doc["objects"]["nbytes"] == doc["nbytes"] > 0
+
+
+def test_show_unknown_id_is_an_error(root: Path) -> None:
+    res = run("show", str(root), "step-000000000099-deadbeef")
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: snapshot step-000000000099-deadbeef does not exist")
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+def test_verify_clean_root(root: Path) -> None:
+    res = run("verify", str(root))
+    assert res.exit_code == 0, res.output
+    for sid in ids_by_step(root).values():
+        assert f"{sid}: ok" in res.stdout
+    assert "verified 3 snapshot(s)" in res.stdout
+    assert "all ok" in res.stdout
+
+
+def test_verify_finds_flipped_byte(root: Path) -> None:
+    ids = ids_by_step(root)
+    name = flip_byte(root, ids[5])
+    res = run("verify", str(root))
+    assert res.exit_code == 1, res.output
+    bad = [line for line in res.stdout.splitlines() if line.startswith("  - ")]
+    assert bad, res.stdout
+    assert all(ids[5] in line and name in line for line in bad)
+    assert f"{ids[1]}: ok" in res.stdout
+    assert f"{ids[10]}: ok" in res.stdout
+    # the other snapshots, one at a time, are still fine
+    assert run("verify", str(root), ids[10]).exit_code == 0
+
+
+@pytest.mark.parametrize("sid", ["step-000000000099-deadbeef", "not-an-id"])
+def test_verify_unknown_id_is_an_error(root: Path, sid: str) -> None:
+    res = run("verify", str(root), sid)
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: ")
+    assert sid in res.stderr
+    assert res.stdout == ""
+
+
+def test_demo_says_what_works() -> None:
+    res = run("demo")
+    assert res.exit_code == 0
+    assert "not available yet" in res.stdout
+    assert "trainsnap verify" in res.stdout
+
+
+def test_module_entry_point_reports_errors_without_traceback(root: Path) -> None:
+    sid = "step-000000000099-deadbeef"
+    cmd = [sys.executable, "-m", "trainsnap.cli", "verify", str(root), sid]
+    bad = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith(f"error: snapshot {sid} does not exist")
+    assert "Traceback" not in bad.stderr
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def test_progress_counts_across_snapshots() -> None:
+    """verify_root restarts its count per snapshot; the bar must keep climbing."""
+    bar = Progress(disable=True)
+    task = bar.add_task("verifying", total=50)
+    done = _BytesDone(bar, task, 50)
+    seen = []
+    for call in [(10, 20), (20, 20), (5, 20), (20, 20), (10, 10)]:
+        done(*call)
+        seen.append(bar.tasks[0].completed)
+    assert seen == [10, 20, 25, 40, 50]
+
+
+def test_geometry_and_units() -> None:
+    assert _geometry(Flat(10, 5)) == "flat start 10 len 5"
+    assert _geometry(Box((0, 2), (3, 4))) == "box at (0, 2) size (3, 4)"
+    assert [_human(n) for n in (0, 1023, 1536, 5 << 30)] == ["0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
