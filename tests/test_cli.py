@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.progress import Progress
 from typer.testing import CliRunner, Result
 
 import trainsnap
 from trainsnap import commit
-from trainsnap.cli import _BytesDone, _geometry, _human, app
+from trainsnap.cli import _geometry, _human, app
 from trainsnap.manifest import object_key
 from trainsnap.spec import Box, Flat
 from trainsnap.storage import open_storage
+from trainsnap.verify import verify_root
 
 STEPS = (10, 1, 5)
 """Saved out of order, so that listing order is the command's doing."""
@@ -192,16 +192,17 @@ def test_module_entry_point_reports_errors_without_traceback(root: Path) -> None
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def test_progress_counts_across_snapshots() -> None:
-    """verify_root restarts its count per snapshot; the bar must keep climbing."""
-    bar = Progress(disable=True)
-    task = bar.add_task("verifying", total=50)
-    done = _BytesDone(bar, task, 50)
-    seen = []
-    for call in [(10, 20), (20, 20), (5, 20), (20, 20), (10, 10)]:
-        done(*call)
-        seen.append(bar.tasks[0].completed)
-    assert seen == [10, 20, 25, 40, 50]
+def test_verify_progress_counts_each_shared_object_once(tmp_path: Path) -> None:
+    """Progress reports every object's size once, across snapshots that share objects."""
+    state = {"w": torch.randn(256, 256), "b": torch.randn(8)}
+    trainsnap.save(state, tmp_path, step=1)
+    state["b"] += 1  # the second snapshot shares the weight object
+    trainsnap.save(state, tmp_path, step=2)
+    calls: list[int] = []
+    report = verify_root(tmp_path, None, calls.append)
+    objects = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
+    assert sorted(calls) == sorted(p.stat().st_size for p in objects)
+    assert report.bytes_verified == sum(calls)
 
 
 def test_geometry_and_units() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -25,7 +24,6 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
-    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -155,32 +153,6 @@ def _flat_items(d: dict[str, Any], prefix: str = "") -> list[str]:
 # -- progress -------------------------------------------------------------------------------------
 
 
-class _BytesDone:
-    """Turns verification's progress calls into one count for the whole run.
-
-    ``verify_root`` counts from zero again for each snapshot and calls from its I/O threads, so
-    calls may arrive slightly out of order. A snapshot is taken to be finished when its count
-    reached its total; a new total, or any call after that, starts the next one. The count is
-    only for display: it is clamped to the bar's total and set to it at the end.
-    """
-
-    def __init__(self, bar: Progress, task: TaskID, total: int) -> None:
-        self.bar, self.task, self.total = bar, task, total
-        self.lock = threading.Lock()
-        self.base = 0
-        self.seg_total: int | None = None
-        self.seg_done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        with self.lock:
-            if self.seg_total is None or total != self.seg_total or self.seg_done >= total:
-                self.base += self.seg_total or 0
-                self.seg_total, self.seg_done = total, 0
-            self.seg_done = max(self.seg_done, done)
-            shown = min(self.base + self.seg_done, self.total)
-        self.bar.update(self.task, completed=shown)
-
-
 @contextmanager
 def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
     """A byte progress bar on stderr, gone once finished (the summary line says the rest)."""
@@ -194,7 +166,7 @@ def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
     console = Console(stderr=True)
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(what, total=total)
-        yield _BytesDone(bar, task, total)
+        yield lambda n: bar.advance(task, n)
         bar.update(task, completed=total)
 
 

@@ -147,8 +147,9 @@ def list_committed(
         except (IncompleteError, NotFoundError):
             continue
         except TrainsnapError as e:
-            log.warning("snapshot %s is not readable: %s", sid, e)
-            if problems is not None:
+            if problems is None:
+                log.warning("snapshot %s is not readable: %s", sid, e)
+            else:
                 problems.append(e)
     out.sort(key=lambda c: (c.step, str(c.marker.summary.get("created", "")), c.snapshot_id))
     return out

@@ -206,6 +206,20 @@ class Reader:
             out[pos - start : hi - start] = scratch[pos - b_lo : hi - b_lo]
             pos = hi
 
+    def read_scatter(self, o: int, segments: list[tuple[int, int, memoryview]], key: str) -> None:
+        """Read the blocks covering several small ranges of object ``o`` once, verify each block
+        once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
+        share blocks: this is what keeps a load from hashing one block per tensor."""
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[o])
+        lo = min(s for s, _, _ in segments) // bs * bs
+        hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
+        buf = memoryview(bytearray(hi - lo))
+        self._get(o, lo, buf, key)
+        self._check(o, lo // bs, buf, key)
+        for start, stop, out in segments:
+            out[:] = buf[start - lo : stop - lo]
+
     def payload_runs(self, owner: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """Where bytes ``[start, stop)`` of a payload (shard or value row) live:
         (object, object offset, payload offset, length) per chunk touched."""

@@ -28,7 +28,7 @@ from .capture import Targets, TensorItem, ValueTarget
 from .engine import BytesBudget, Reader, run_all, tensor_bytes
 from .errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
 from .manifest import Manifest, keys_summary
-from .spec import Piece, RegionIndex
+from .spec import Piece, Region, RegionIndex
 from .storage.base import Storage
 
 log = logging.getLogger("trainsnap.load")
@@ -95,19 +95,36 @@ def match(m: Manifest, tg: Targets, rank: int) -> list[tuple[_Dest, int]]:
     return pairs
 
 
+@dataclass(slots=True)
+class _Direct:
+    """Bytes ``[start, stop)`` of object ``o`` go straight to ``out`` (destination memory)."""
+
+    o: int
+    start: int
+    stop: int
+    out: memoryview
+    key: str
+
+
 def _piece_tasks(
-    reader: Reader, dest: _Dest, shard: int, piece: Piece, budget: BytesBudget, max_elems: int
+    reader: Reader,
+    dest: _Dest,
+    shard: int,
+    piece: Piece,
+    budget: BytesBudget,
+    max_elems: int,
+    direct: list[_Direct],
 ) -> list[Callable[[], None]]:
+    """Tasks for one piece: contiguous pieces are only recorded in ``direct`` (scheduled
+    together by :func:`_direct_tasks`); other pieces get bounce-buffer tasks."""
     isz, key = dest.itemsize, dest.item.key
     if dest.direct and piece.src_contiguous and piece.dst_contiguous:
         out = tensor_bytes(dest.work)
         src0, dst0, n = piece.src_offset * isz, piece.dst_offset * isz, piece.numel * isz
-        tasks: list[Callable[[], None]] = []
-        for _o, _oo, po, length in reader.payload_runs(shard, src0, src0 + n):
+        for o, oo, po, length in reader.payload_runs(shard, src0, src0 + n):
             lo = dst0 + po - src0
-            dst = out[lo : lo + length]
-            tasks.append(partial(reader.read_payload, shard, po, po + length, dst, key))
-        return tasks
+            direct.append(_Direct(o, oo, oo + length, out[lo : lo + length], key))
+        return []
 
     def bounce(part: Piece) -> None:
         lo, hi = part.src_span()
@@ -127,22 +144,76 @@ def _piece_tasks(
     return [partial(bounce, p) for p in piece.split(max_elems)]
 
 
+_COALESCE_MAX = 8 << 20
+"""Largest run of small direct reads served by one read (bytes)."""
+
+
+def _direct_tasks(
+    reader: Reader, reads: list[_Direct], budget: BytesBudget
+) -> list[Callable[[], None]]:
+    """Large direct reads become one task each (read straight into the destination); small
+    ones are grouped per object into runs, each read and verified once."""
+    bs = reader.m.block_size
+    tasks: list[Callable[[], None]] = []
+    small: dict[int, list[_Direct]] = {}
+    for r in reads:
+        if r.stop - r.start >= bs:
+            tasks.append(partial(reader.read_object, r.o, r.start, r.stop, r.out, r.key))
+        else:
+            small.setdefault(r.o, []).append(r)
+    for o, rs in small.items():
+        rs.sort(key=lambda r: r.start)
+        run: list[_Direct] = []
+        for r in rs:
+            if run and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX):
+                tasks.append(partial(_scatter, reader, o, run, budget))
+                run = []
+            run.append(r)
+        tasks.append(partial(_scatter, reader, o, run, budget))
+    return tasks
+
+
+def _scatter(reader: Reader, o: int, run: list[_Direct], budget: BytesBudget) -> None:
+    nbytes = run[-1].stop - run[0].start + 2 * reader.m.block_size
+    budget.acquire(nbytes)
+    try:
+        reader.read_scatter(o, [(r.start, r.stop, r.out) for r in run], run[0].key)
+    finally:
+        budget.release(nbytes)
+
+
+def _overlaps(
+    m: Manifest, ti: int, region: Region, indexes: dict[int, tuple[list[int], RegionIndex]]
+) -> list[tuple[int, list[Piece]]]:
+    """(shard row, pieces) of saved tensor ``ti`` that meet ``region``."""
+    ss = m.shard_start()
+    lo, hi = int(ss[ti]), int(ss[ti + 1])
+    if hi - lo == 1 and ti not in indexes:
+        # The common case of an unchanged topology: one saved shard, the one asked for.
+        saved = m.shard_region(lo, m.tensor_shapes[ti])
+        if saved == region:
+            n = region.numel
+            return [(lo, [Piece((n,), 0, (1,), 0, (1,))])] if n else []
+    if ti not in indexes:
+        shards = m.tensor_shards(ti)
+        indexes[ti] = (
+            [s for s, _ in shards],
+            RegionIndex([r for _, r in shards], m.tensor_shapes[ti]),
+        )
+    ids, index = indexes[ti]
+    return [(ids[i], ps) for i, ps in index.overlapping(region)]
+
+
 def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -> None:
     """Read every destination's elements; each destination gets every element exactly once."""
     t = tunables.get()
     m = reader.m
     budget = BytesBudget(t.read_budget)
     tasks: list[Callable[[], None]] = []
+    direct: list[_Direct] = []
     indexes: dict[int, tuple[list[int], RegionIndex]] = {}
     for dest, ti in pairs:
-        if ti not in indexes:
-            shards = m.tensor_shards(ti)
-            indexes[ti] = (
-                [s for s, _ in shards],
-                RegionIndex([r for _, r in shards], m.tensor_shapes[ti]),
-            )
-        ids, index = indexes[ti]
-        found = index.overlapping(dest.item.region)
+        found = _overlaps(m, ti, dest.item.region, indexes)
         covered = sum(p.numel for _, ps in found for p in ps)
         if covered != dest.item.region.numel:
             raise CorruptError(
@@ -155,8 +226,8 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
         max_elems = max(1, min(t.read_budget // 4, 64 << 20) // dest.itemsize)
         for i, ps in found:
             for p in ps:
-                tasks += _piece_tasks(reader, dest, ids[i], p, budget, max_elems)
-    run_all(tasks, threads)
+                tasks += _piece_tasks(reader, dest, i, p, budget, max_elems, direct)
+    run_all(_direct_tasks(reader, direct, budget) + tasks, threads)
     for dest, _ in pairs:
         if not dest.direct:
             with torch.no_grad():

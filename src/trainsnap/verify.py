@@ -10,6 +10,7 @@ the report lists every problem, and :func:`verify` raises the matching error kin
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ from .manifest import Manifest, object_key
 from .spec import tiling_problems
 from .storage import Storage, open_storage
 
-Progress = Callable[[int, int], None]
-"""Called with (bytes verified so far, bytes to verify)."""
+Progress = Callable[[int], None]
+"""Called with the size of each object once it is verified (from I/O threads, one at a time)."""
 
 _SEVERITY: list[type[TrainsnapError]] = [
     CorruptError,
@@ -58,6 +59,9 @@ class SnapshotReport:
     step: int = -1
     objects: int = 0
     nbytes: int = 0
+    bytes_read: int = 0
+    """Bytes of objects read for this snapshot (objects shared with one verified before are
+    read once)."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -72,6 +76,7 @@ class VerifyReport:
     uncommitted: list[str] = field(default_factory=list)
     """Snapshots with no marker: never readable, garbage for the collector (not a problem)."""
     bytes_verified: int = 0
+    """Bytes read and checked, each shared object counted once."""
     seconds: float = 0.0
 
     @property
@@ -106,6 +111,8 @@ def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
         stored = storage.stat(key)
     except FileNotFoundError:
         return [Problem(CorruptError, sid, f"object {name} is missing", key)]
+    except OSError as e:
+        return [Problem(CorruptError, sid, f"object {name} cannot be read: {e}", key)]
     if stored != size:
         what = "truncated" if stored < size else "longer than recorded"
         return [
@@ -194,14 +201,14 @@ def verify_snapshot(
     rep.problems += _check_manifest(m, dict(marker.summary))
     todo = [o for o in range(len(m.object_names)) if m.object_names[o] not in seen]
     seen.update(m.object_names)
-    total = sum(int(m.object_sizes[o]) for o in todo)
-    done = [0]
+    rep.bytes_read = sum(int(m.object_sizes[o]) for o in todo)
+    lock = threading.Lock()
 
     def task(o: int) -> list[Problem]:
         found = _check_object(storage, m, o)
-        done[0] += int(m.object_sizes[o])
         if progress:
-            progress(done[0], total)
+            with lock:
+                progress(int(m.object_sizes[o]))
         return found
 
     for found in run_all([partial(task, o) for o in todo], tunables.get().io_threads):
@@ -242,7 +249,7 @@ def verify_root(
     for sid in ids:
         rep = verify_snapshot(storage, sid, seen, progress)
         report.snapshots.append(rep)
-        report.bytes_verified += rep.nbytes
+        report.bytes_verified += rep.bytes_read
     report.seconds = time.perf_counter() - t0
     return report
 
