@@ -85,6 +85,10 @@ class TensorItem:
     region: Region
     rank: int = GLOBAL
     """``GLOBAL`` for part of a logical tensor; a rank number for a rank's own tensor."""
+    declared: bool = False
+    """True when the layout was declared (``DTensor``, :class:`Sharded`): ranks holding the same
+    region hold replicas by declaration. A plain tensor on several ranks is only taken as a
+    replica if its bytes are identical everywhere."""
 
 
 @dataclass(slots=True)
@@ -105,6 +109,8 @@ class ValueTarget:
 class Captured:
     tensors: list[TensorItem] = field(default_factory=list)
     values: list[ValueItem] = field(default_factory=list)
+    mesh: dict[str, int] = field(default_factory=dict)
+    """Dimension names and sizes of the device mesh of the state's DTensors, if any."""
 
 
 @dataclass(slots=True)
@@ -147,8 +153,50 @@ def _join(prefix: str, k: object) -> str:
 
 
 def _leaf_tensor(key: str, t: torch.Tensor) -> TensorItem:
+    if _is_dtensor(t):
+        return _dtensor_item(key, t)
     shape = tuple(t.shape)
     return TensorItem(key, t, shape, Box.full(shape))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch.distributed not built in
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_item(key: str, t: Any) -> TensorItem:
+    """A DTensor's local shard as a box of its global tensor (``Shard(d)`` and ``Replicate()``
+    in any mix, uneven shards included)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):
+            raise InvalidArgumentError(
+                f"{key!r}: DTensor placement {p} is not supported (only Shard(d) and Replicate()); "
+                "redistribute it, e.g. t.redistribute(placements=[Replicate()]) for Partial",
+                key=key,
+            )
+    shape = tuple(t.shape)
+    local = t.to_local()
+    sizes, offsets = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+    if tuple(sizes) != tuple(local.shape):
+        raise InvalidArgumentError(
+            f"{key!r}: DTensor local shard has shape {tuple(local.shape)}, expected "
+            f"{tuple(sizes)} from its placements",
+            key=key,
+        )
+    return TensorItem(key, local, shape, Box(tuple(offsets), tuple(sizes)), declared=True)
+
+
+def mesh_of(t: Any) -> dict[str, int]:
+    """Dimension names and sizes of a DTensor's device mesh (recorded in the manifest)."""
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
 
 
 def _walk(
@@ -217,9 +265,13 @@ def capture(state: Any) -> Captured:
             )
         seen.add(key)
         if isinstance(leaf, Sharded):
-            out.tensors.append(TensorItem(key, leaf.local, leaf.global_shape, leaf.region))
+            out.tensors.append(
+                TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
+            )
         elif isinstance(leaf, torch.Tensor):
             out.tensors.append(_leaf_tensor(key, leaf))
+            if not out.mesh and _is_dtensor(leaf):
+                out.mesh = mesh_of(leaf)
         else:
             out.values.append(ValueItem(key, leaf))
 
@@ -234,7 +286,9 @@ def targets(state: Any) -> Targets:
 
     def visit(key: str, leaf: Any, parent: Any, idx: Any) -> None:
         if isinstance(leaf, Sharded):
-            out.tensors.append(TensorItem(key, leaf.local, leaf.global_shape, leaf.region))
+            out.tensors.append(
+                TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
+            )
         elif isinstance(leaf, torch.Tensor):
             out.tensors.append(_leaf_tensor(key, leaf))
         else:

@@ -50,9 +50,40 @@ def _dest(item: TensorItem) -> _Dest:
     return _Dest(item, work, direct, t.element_size())
 
 
-def match(m: Manifest, tg: Targets, rank: int) -> list[tuple[_Dest, int]]:
+def _check_rank_bound(m: Manifest, tg: Targets, same_world: bool) -> None:
+    """Per-rank entries (saved by each rank, different on each) map rank r to rank r, and only
+    on the world size that saved them: any other mapping would be a silent wrong value."""
+    if same_world:
+        return
+    bound = [t.key for t in tg.tensors if _rank_scoped(m, t.key)]
+    bound += [v.key for v in tg.values if _rank_scoped(m, v.key, value=True)]
+    if bound:
+        world = m.topology.get("world_size")
+        raise IncompatibleError(
+            f"snapshot {m.snapshot_id} holds per-rank state for {keys_summary(bound)}, saved by "
+            f"{world} ranks with different contents on each; it maps only to the same number of "
+            "ranks (rank r restores rank r). Load on that many ranks, or leave these keys out of "
+            "the state (and re-derive them), or make them identical on every rank so they are "
+            "stored once.",
+            snapshot_id=m.snapshot_id,
+            key=bound[0],
+        )
+
+
+def _rank_scoped(m: Manifest, key: str, value: bool = False) -> bool:
+    idx = m.value_index() if value else m.tensor_index()
+    return (key, -1) not in idx and any((key, r) in idx for r in range(_world(m)))
+
+
+def _world(m: Manifest) -> int:
+    w = m.topology.get("world_size", 1)
+    return w if isinstance(w, int) and 0 < w < 1 << 20 else 1
+
+
+def match(m: Manifest, tg: Targets, rank: int, same_world: bool = True) -> list[tuple[_Dest, int]]:
     """Pair each target tensor with its saved tensor; refuse (before reading anything) keys the
-    snapshot lacks, and shapes or dtypes that differ."""
+    snapshot lacks, per-rank state on another world size, and shapes or dtypes that differ."""
+    _check_rank_bound(m, tg, same_world)
     missing: list[str] = []
     problems: list[tuple[str, str]] = []
     pairs = []
@@ -254,11 +285,19 @@ def read_values(
     return decoded
 
 
-def fill(storage: Storage, m: Manifest, tg: Targets, rank: int, *, allow_pickle: bool) -> Reader:
+def fill(
+    storage: Storage,
+    m: Manifest,
+    tg: Targets,
+    rank: int,
+    *,
+    allow_pickle: bool,
+    same_world: bool = True,
+) -> Reader:
     """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
     loaded refuses the load before any tensor is touched), then tensors, then values are put in
     their containers and stateful objects get their state dicts back."""
-    pairs = match(m, tg, rank)
+    pairs = match(m, tg, rank, same_world)
     reader = Reader(storage, m)
     values = read_values(reader, m, tg, rank, allow_pickle=allow_pickle)
     load_tensors(reader, pairs, tunables.get().io_threads)

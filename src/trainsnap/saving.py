@@ -1,28 +1,26 @@
-"""Saving one process's state: capture, stage, write objects, build the manifest, commit."""
+"""One rank's part of a save: describe what it holds, stage it, write what it was assigned.
+
+The protocol around these steps (agreement, plan, commit) is in :mod:`trainsnap.collective`.
+"""
 
 from __future__ import annotations
 
 import logging
-import platform
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
 import torch
 
 from . import codec, tunables
-from ._version import __version__ as _version
-from .capture import Captured, capture
+from .capture import Captured, TensorItem, capture
 from .checksum import Hasher
-from .commit import new_snapshot_id, write_commit
 from .engine import WrittenObject, gather, run_all, tensor_bytes, write_object
 from .errors import InvalidArgumentError
-from .manifest import LEVELS, STATE_KINDS, Manifest, ManifestBuilder
-from .plan import SaveLayout, layout_objects
-from .spec import Region, Shape, tiling_problems
+from .manifest import LEVELS, STATE_KINDS
+from .plan import layout_objects
+from .saveplan import Assignment, Entry, RankMeta, Value
 from .storage.base import Storage
 
 log = logging.getLogger("trainsnap.save")
@@ -56,48 +54,91 @@ class SaveOptions:
             )
 
 
+def stage_tensor(t: TensorItem) -> tuple[memoryview, torch.Tensor]:
+    """The bytes of a tensor entry and what keeps them alive. A CPU-contiguous tensor is used in
+    place (a synchronous save copies nothing); others are copied to contiguous host memory."""
+    x = t.local.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.device.type != "cpu":
+        x = x.to("cpu")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return tensor_bytes(x), x
+
+
 @dataclass(slots=True)
-class Staged:
-    """Payload bytes ready to write, and what keeps them alive."""
+class Local:
+    """What this rank holds, described for the plan and ready to write."""
 
     captured: Captured
-    payloads: list[memoryview]
-    codecs: list[str]
-    keepalive: list[torch.Tensor]
+    entries: list[Entry]
+    values: list[Value]
+    value_bytes: list[bytes]
+    staged: dict[int, tuple[memoryview, torch.Tensor]] = field(default_factory=dict)
+
+    def payload(self, i: int) -> memoryview:
+        if i not in self.staged:
+            self.staged[i] = stage_tensor(self.captured.tensors[i])
+        return self.staged[i][0]
+
+    def meta(self, rank: int, step: int) -> RankMeta:
+        return RankMeta.pack(rank, step, self.entries, self.values)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self.payloads)
+        return sum(e[4] for e in self.entries) + sum(len(b) for b in self.value_bytes)
 
 
-def stage(cap: Captured, *, allow_pickle: bool) -> Staged:
-    """Bytes of every entry. CPU-contiguous tensors are used in place (a synchronous save does
-    not copy them); others are copied to contiguous host memory. Values are encoded here, so a
-    value that cannot be saved fails before anything is written."""
-    payloads, keep, codecs = [], [], []
-    for t in cap.tensors:
-        codec.dtype_name(t.local.dtype)  # refuse unsupported dtypes before writing anything
-        x = t.local.detach()
-        if x.is_conj():
-            x = x.resolve_conj()
-        if x.is_neg():
-            x = x.resolve_neg()
-        if x.device.type != "cpu":
-            x = x.to("cpu")
-        if not x.is_contiguous():
-            x = x.contiguous()
-        keep.append(x)
-        payloads.append(tensor_bytes(x))
+def describe(state: Any, opts: SaveOptions, hasher: Hasher, *, replica_digests: bool) -> Local:
+    """Capture the state and describe it. Values are encoded here and unsupported dtypes refused,
+    so a state that cannot be saved fails before anything is written. With several ranks, plain
+    tensors are hashed so the plan can tell true replicas from per-rank tensors."""
+    cap = capture(state)
+    local = Local(cap, [], [], [])
+    for i, t in enumerate(cap.tensors):
+        dtype = codec.dtype_name(t.local.dtype)
+        nbytes = t.region.numel * t.local.element_size()
+        digest = None
+        if replica_digests and not t.declared:
+            digest = hasher.digest(local.payload(i))
+        local.entries.append((t.key, dtype, t.global_shape, t.region, nbytes, digest))
     for v in cap.values:
-        c, data = codec.encode(v.value, v.key, allow_pickle=allow_pickle)
-        codecs.append(c)
-        payloads.append(memoryview(data))
-    return Staged(cap, payloads, codecs, keep)
+        c, data = codec.encode(v.value, v.key, allow_pickle=opts.allow_pickle)
+        local.value_bytes.append(data)
+        local.values.append((v.key, c, hasher.digest(data), len(data)))
+    return local
 
 
-def write_payloads(
-    storage: Storage, hasher: Hasher, payloads: list[memoryview], threads: int
-) -> tuple[SaveLayout, list[WrittenObject]]:
+# -- writing --------------------------------------------------------------------------------------
+
+
+Chunks = list[tuple[int, int, int]]
+"""(object index in the report, offset in the object, length) per chunk of one payload."""
+
+
+@dataclass(slots=True)
+class WriteReport:
+    """What one rank wrote, for the coordinator's manifest (or why it failed)."""
+
+    objects: list[tuple[str, int, bytes]] = field(default_factory=list)
+    entries: list[tuple[int, int, Chunks]] = field(default_factory=list)
+    """(entry index, scope, chunks) of each tensor entry written."""
+    values: list[tuple[int, int, Chunks]] = field(default_factory=list)
+    """(value index, scope, chunks) of each value written."""
+    bytes_new: int = 0
+    """Bytes actually written (objects already stored are referenced, not rewritten)."""
+    error: str | None = None
+
+
+def write_assigned(
+    storage: Storage, hasher: Hasher, local: Local, assignment: Assignment
+) -> WriteReport:
+    """Write this rank's assigned entries and values as objects; report their chunks."""
+    payloads: list[memoryview] = [local.payload(i) for i, _ in assignment.entries]
+    payloads += [memoryview(local.value_bytes[i]) for i, _ in assignment.values]
     t = tunables.get()
     layout = layout_objects(
         [len(p) for p in payloads], chunk_size=t.chunk_size, pack_threshold=t.pack_threshold
@@ -108,90 +149,12 @@ def write_payloads(
         parts = [payloads[p][off : off + n] for p, off, n in obj.parts]
         return write_object(storage, hasher, gather(parts, obj.size))
 
-    written = run_all([partial(task, i) for i in range(len(layout.objects))], threads)
-    return layout, written
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def library_versions(user: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "user": dict(user),
-        "trainsnap": _version,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def build_manifest(
-    snapshot_id: str,
-    opts: SaveOptions,
-    hasher: Hasher,
-    staged: Staged,
-    layout: SaveLayout,
-    written: list[WrittenObject],
-    topology: Mapping[str, Any],
-) -> Manifest:
-    b = ManifestBuilder(
-        snapshot_id=snapshot_id,
-        created=now_iso(),
-        step=opts.step,
-        level=opts.level,
-        algorithm=hasher.algorithm,
-        block_size=hasher.block_size,
-        tokens_seen=opts.tokens_seen,
-        samples_seen=opts.samples_seen,
-        data_cursor=opts.data_cursor,
-        state_kinds={k: bool(opts.state_kinds.get(k, False)) for k in STATE_KINDS},
-        versions=library_versions(opts.user_versions),
-        topology=dict(topology),
-        meta=dict(opts.meta),
-    )
-    index = [b.add_object(w.name, w.size, w.digests) for w in written]
-    cap = staged.captured
-    for i, t in enumerate(cap.tensors):
-        ti = b.add_tensor(t.key, t.rank, codec.dtype_name(t.local.dtype), t.global_shape)
-        b.add_shard(ti, t.region, [(index[o], off, n) for o, off, n in layout.chunks[i]])
-    base = len(cap.tensors)
-    for j, v in enumerate(cap.values):
-        chunks = [(index[o], off, n) for o, off, n in layout.chunks[base + j]]
-        b.add_value(v.key, v.rank, staged.codecs[j], chunks)
-    return b.build()
-
-
-def check_tiling(key: str, regions: list[Region], shape: Shape) -> None:
-    """Refuse, before anything is written, a tensor whose saved shards do not tile it."""
-    problems = tiling_problems(regions, shape)
-    if problems:
-        raise InvalidArgumentError(
-            f"the shards of {key!r} (global shape {list(shape)}) saved by all ranks together "
-            "do not cover it exactly once: every element must be saved by exactly one shard "
-            "(replicas are fine). Check the offsets / starts given to ts.Sharded.",
-            key=key,
-            problems=problems,
-        )
-
-
-def save_local(state: Any, storage: Storage, opts: SaveOptions) -> Manifest:
-    """The whole save of a single process (no process group)."""
-    t0 = time.perf_counter()
-    hasher = Hasher(opts.checksum, tunables.get().block_size)
-    cap = capture(state)
-    for t in cap.tensors:
-        check_tiling(t.key, [t.region], t.global_shape)
-    staged = stage(cap, allow_pickle=opts.allow_pickle)
-    sid = new_snapshot_id(opts.step)
-    layout, written = write_payloads(storage, hasher, staged.payloads, tunables.get().io_threads)
-    topology = {"world_size": 1, "coordinator": 0, "mesh": {}}
-    manifest = build_manifest(sid, opts, hasher, staged, layout, written, topology)
-    write_commit(storage, manifest, writer={"world_size": 1})
-    dt = time.perf_counter() - t0
-    nbytes = staged.nbytes
-    new = sum(w.size for w in written if w.written)
-    log.info(
-        "saved snapshot %s step=%d bytes=%d written=%d objects=%d seconds=%.3f MBps=%.1f root=%s",
-        sid, opts.step, nbytes, new, len(written), dt, nbytes / max(dt, 1e-9) / 1e6, storage.url,
-    )  # fmt: skip
-    return manifest
+    written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
+    report = WriteReport(objects=[(w.name, w.size, w.digests) for w in written])
+    report.bytes_new = sum(w.size for w in written if w.written)
+    n = len(assignment.entries)
+    for j, (i, scope) in enumerate(assignment.entries):
+        report.entries.append((i, scope, layout.chunks[j]))
+    for j, (i, scope) in enumerate(assignment.values):
+        report.values.append((i, scope, layout.chunks[n + j]))
+    return report

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from . import commit
-from .capture import targets
+from . import commit, tunables
+from .collective import run_load, run_save
+from .comm import Comm, Timeouts, default_comm
 from .errors import IncompatibleError, InvalidArgumentError, NotFoundError
-from .loading import fill
 from .manifest import LEVELS, Manifest, level_rank
 from .marker import Marker
-from .saving import SaveOptions, save_local
+from .saving import SaveOptions
 from .storage import Storage, open_storage
 
 log = logging.getLogger("trainsnap.load")
@@ -61,9 +61,12 @@ class SnapshotInfo:
 
     @staticmethod
     def from_marker(mk: Marker, root: str) -> SnapshotInfo:
-        s = mk.summary
+        return SnapshotInfo.from_summary(mk.snapshot_id, mk.summary, root)
+
+    @staticmethod
+    def from_summary(snapshot_id: str, s: Mapping[str, Any], root: str) -> SnapshotInfo:
         return SnapshotInfo(
-            id=mk.snapshot_id,
+            id=snapshot_id,
             step=int(s.get("step", -1)),
             created=_parse_time(str(s.get("created", ""))),
             level=str(s.get("level", "weights")),
@@ -95,13 +98,17 @@ def save(
     allow_pickle: bool = False,
     checksum: str = "xxh3-128",
     storage_options: Mapping[str, Any] | None = None,
+    coordinator: int = 0,
+    timeout: float | None = None,
 ) -> SnapshotInfo:
     """Save ``state`` (a mapping of tensors, plain data and stateful objects) as a new snapshot
     of ``root`` at ``step``, and commit it. Returns the committed snapshot.
 
-    ``versions`` (model, tokenizer, code, data...) are recorded for resume checks; ``meta`` is
-    free-form plain data kept in the manifest. Values that are not plain data are refused unless
-    ``allow_pickle``.
+    With an initialised ``torch.distributed`` process group every rank calls ``save`` with its
+    own part of the state (``DTensor``, ``ts.Sharded``, plain tensors); ``coordinator`` plans and
+    commits, and ``timeout`` (seconds) bounds how long ranks wait for each other. ``versions``
+    (model, tokenizer, code, data...) are recorded for resume checks; ``meta`` is free-form plain
+    data kept in the manifest. Values that are not plain data are refused unless ``allow_pickle``.
     """
     if async_save:
         raise InvalidArgumentError("async_save is not available yet in this version of trainsnap")
@@ -117,8 +124,22 @@ def save(
         allow_pickle=allow_pickle,
         checksum=checksum,
     )
-    manifest = save_local(state, storage, opts)
-    return SnapshotInfo.from_manifest(manifest, storage.url)
+    result = run_save(state, storage, opts, _comm(coordinator, timeout))
+    if result.manifest is not None:
+        return SnapshotInfo.from_manifest(result.manifest, storage.url)
+    return SnapshotInfo.from_summary(
+        result.outcome.snapshot_id, result.outcome.manifest_summary, storage.url
+    )
+
+
+def _comm(coordinator: int, timeout: float | None) -> Comm:
+    t = tunables.get()
+    beat = float(t.heartbeat_seconds)
+    if timeout is None:
+        timeouts = Timeouts(heartbeat=beat)
+    else:
+        timeouts = Timeouts(exchange=timeout, heartbeat=min(beat, timeout))
+    return default_comm(coordinator=coordinator, timeouts=timeouts)
 
 
 def resolve(storage: Storage, snapshot: str) -> str:
@@ -143,6 +164,8 @@ def load(
     allow_downgrade: bool = False,
     allow_pickle: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    coordinator: int = 0,
+    timeout: float | None = None,
 ) -> SnapshotInfo:
     """Fill ``state`` in place from a committed snapshot of ``root`` (``"latest"`` or an id).
 
@@ -155,24 +178,25 @@ def load(
         raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
     t0 = time.perf_counter()
     storage = open_storage(root, **dict(storage_options or {}))
-    sid = resolve(storage, snapshot)
-    m = commit.open_snapshot(storage, sid)
-    reached = level
-    if level_rank(m.level) < level_rank(level):
+
+    def check(m: Manifest) -> str:
+        if level_rank(m.level) >= level_rank(level):
+            return level
         if not allow_downgrade:
             raise IncompatibleError(
-                f"snapshot {sid} offers resume level {m.level!r}, {level!r} was asked. Pass "
-                f"level={m.level!r} or allow_downgrade=True to continue at the lower level.",
-                snapshot_id=sid,
+                f"snapshot {m.snapshot_id} offers resume level {m.level!r}, {level!r} was asked. "
+                f"Pass level={m.level!r} or allow_downgrade=True to continue at the lower level.",
+                snapshot_id=m.snapshot_id,
             )
-        reached = m.level
-    tg = targets(state)
-    reader = fill(storage, m, tg, rank=0, allow_pickle=allow_pickle)
+        return m.level
+
+    m, reached, nread = run_load(
+        state, storage, snapshot, _comm(coordinator, timeout), check, allow_pickle=allow_pickle
+    )
     dt = time.perf_counter() - t0
     log.info(
         "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",
-        sid, m.step, reached, reader.bytes_read, dt, reader.bytes_read / max(dt, 1e-9) / 1e6,
-        storage.url,
+        m.snapshot_id, m.step, reached, nread, dt, nread / max(dt, 1e-9) / 1e6, storage.url,
     )  # fmt: skip
     return SnapshotInfo.from_manifest(m, storage.url, level=reached)
 

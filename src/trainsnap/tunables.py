@@ -33,6 +33,9 @@ class Tunables:
     read_budget: int = 256 * MiB
     """Most host memory a load holds in bounce buffers at once (strided pieces, devices)."""
 
+    heartbeat_seconds: int = 60
+    """A rank whose heartbeat stops for this long during a save or load is taken as dead."""
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
             raise InvalidArgumentError(

@@ -1,0 +1,291 @@
+"""The save and load protocols across ranks (one process is the case of a world of one).
+
+Save -- every rank calls :func:`run_save`:
+
+1. (all ranks) capture the state and describe it: tensor entries (key, dtype, global shape,
+   region, size), values (encoded), digests of plain tensors that may be replicas.
+2. (coordinator) gather the descriptions and plan: same step everywhere, same dtype and shape
+   per key, shards that tile every tensor, replicas written once by balanced writers, values
+   identical everywhere stored once. A refusal reaches every rank and nothing is written.
+3. (all ranks) stage and write the assigned payloads as content-addressed objects; report them
+   (or the error). No collective on the training process group: the control plane is the
+   rendezvous store (:mod:`trainsnap.comm`).
+4. (coordinator) gather the reports. A rank that failed, died or went silent means no commit;
+   otherwise assemble the manifest and commit it (manifest, then marker: :mod:`trainsnap.commit`).
+5. (all ranks) learn the outcome: the snapshot, or one error listing every failing rank.
+
+Load -- every rank calls :func:`run_load`: the coordinator resolves which snapshot (so that
+``"latest"`` means the same snapshot everywhere), every rank reads what it needs, and all learn
+whether every rank succeeded: a load that failed anywhere raises everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import commit, tunables
+from .assemble import assemble
+from .capture import targets
+from .checksum import Hasher
+from .comm import Comm, PeerLost, Session
+from .errors import CommitFailedError, IncompatibleError, InvalidArgumentError, TrainsnapError
+from .loading import fill
+from .manifest import Manifest
+from .saveplan import Assignment, RankMeta, SavePlan, plan_save
+from .saving import Local, SaveOptions, WriteReport, describe, write_assigned
+from .storage.base import Storage
+
+log = logging.getLogger("trainsnap.save")
+load_log = logging.getLogger("trainsnap.load")
+
+
+@dataclass(slots=True)
+class Outcome:
+    snapshot_id: str = ""
+    manifest_summary: dict[str, Any] = field(default_factory=dict)
+    rank_errors: dict[int, str] = field(default_factory=dict)
+    kind: str = "CommitFailedError"
+
+    @property
+    def ok(self) -> bool:
+        return not self.rank_errors
+
+
+def _describe_error(e: BaseException) -> str:
+    if isinstance(e, TrainsnapError):
+        return f"{type(e).__name__}: {e}"
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _refusal(problems: list[str]) -> TrainsnapError:
+    return InvalidArgumentError(
+        "the save was refused before anything was written: the ranks' states do not make one "
+        "consistent snapshot",
+        problems=problems,
+    )
+
+
+@dataclass(slots=True)
+class SaveResult:
+    manifest: Manifest | None
+    outcome: Outcome
+    bytes_new: int
+    seconds: float
+
+
+def run_save(state: Any, storage: Storage, opts: SaveOptions, comm: Comm) -> SaveResult:
+    t0 = time.perf_counter()
+    hasher = Hasher(opts.checksum, tunables.get().block_size)
+    session = comm.session("save")
+    try:
+        return _save(state, storage, opts, comm, session, hasher, t0)
+    finally:
+        session.close()
+
+
+def _save(
+    state: Any,
+    storage: Storage,
+    opts: SaveOptions,
+    comm: Comm,
+    session: Session,
+    hasher: Hasher,
+    t0: float,
+) -> SaveResult:
+    # 1. (all ranks) describe
+    local: Local | None = None
+    try:
+        local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
+        meta = local.meta(comm.rank, opts.step)
+        mesh = local.captured.mesh
+    except TrainsnapError as e:
+        if comm.world_size == 1:
+            raise
+        meta, mesh = RankMeta(comm.rank, opts.step, error=_describe_error(e)), {}
+    # 2. (coordinator) plan
+    sid = commit.new_snapshot_id(opts.step)
+    metas = session.gather("meta", meta)
+    assignments: list[Assignment] | None = None
+    plan: SavePlan | None = None
+    if comm.is_coordinator:
+        assert metas is not None
+        try:
+            plan = plan_save(metas, sid)
+        except Exception as e:  # a planner bug must not leave the other ranks waiting
+            log.exception("planning snapshot %s failed", sid)
+            why = [f"planner: {_describe_error(e)}"]
+            plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
+        assignments = plan.assignments
+    assignment: Assignment = session.scatter("plan", assignments)
+    if assignment.problems:
+        raise _refusal(assignment.problems)
+    assert local is not None
+    sid = assignment.snapshot_id
+    # 3. (all ranks) stage and write
+    try:
+        report = write_assigned(storage, hasher, local, assignment)
+    except Exception as e:  # reported to the coordinator, raised everywhere below
+        if comm.world_size == 1:
+            raise CommitFailedError(
+                f"save of step {opts.step} failed while writing: {_describe_error(e)}; "
+                "nothing was committed",
+                snapshot_id=sid,
+                rank_errors={0: _describe_error(e)},
+            ) from e
+        report = WriteReport(error=_describe_error(e))
+    # 4. (coordinator) gather reports, commit
+    outcome = Outcome(snapshot_id=sid)
+    manifest = None
+    if comm.is_coordinator:
+        assert metas is not None and plan is not None
+        manifest, outcome = _commit(storage, opts, hasher, session, metas, plan, report, mesh, comm)
+        session.broadcast("outcome", outcome)
+    else:
+        try:
+            session.gather("report", report)
+            outcome = session.broadcast("outcome")
+        except PeerLost as e:
+            outcome = _outcome_without_coordinator(storage, sid, e)
+    # 5. (all ranks) learn the outcome
+    if not outcome.ok:
+        raise CommitFailedError(
+            f"save of step {opts.step} (snapshot {sid}) was not committed: "
+            f"{len(outcome.rank_errors)} rank(s) failed; the previous snapshots are untouched",
+            snapshot_id=sid,
+            rank_errors=outcome.rank_errors,
+        )
+    dt = time.perf_counter() - t0
+    if comm.is_coordinator:
+        s = outcome.manifest_summary
+        log.info(
+            "saved snapshot %s step=%d bytes=%d written=%d ranks=%d seconds=%.3f MBps=%.1f root=%s",
+            sid, opts.step, s["nbytes"], s["bytes_new"], comm.world_size, dt,
+            s["nbytes"] / max(dt, 1e-9) / 1e6, storage.url,
+        )  # fmt: skip
+    return SaveResult(manifest, outcome, report.bytes_new, dt)
+
+
+def _commit(
+    storage: Storage,
+    opts: SaveOptions,
+    hasher: Hasher,
+    session: Session,
+    metas: list[RankMeta],
+    plan: SavePlan,
+    report: WriteReport,
+    mesh: dict[str, int],
+    comm: Comm,
+) -> tuple[Manifest | None, Outcome]:
+    """Step 4 (coordinator): every report in, or no commit."""
+    sid = plan.assignments[0].snapshot_id
+    try:
+        reports: list[WriteReport] = session.gather("report", report) or []
+    except PeerLost as e:
+        return None, Outcome(sid, rank_errors=e.ranks)
+    errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
+    if errors:
+        return None, Outcome(sid, rank_errors=errors)
+    topology = {"world_size": comm.world_size, "coordinator": comm.coordinator, "mesh": mesh}
+    try:
+        manifest = assemble(sid, opts, hasher, metas, plan, reports, topology)
+        commit.write_commit(storage, manifest, writer={"world_size": comm.world_size})
+    except Exception as e:
+        log.exception("commit of snapshot %s failed", sid)
+        return None, Outcome(sid, rank_errors={comm.rank: f"commit: {_describe_error(e)}"})
+    new = sum(r.bytes_new for r in reports)
+    return manifest, Outcome(sid, manifest_summary={**manifest.summary(), "bytes_new": new})
+
+
+def _outcome_without_coordinator(storage: Storage, sid: str, e: PeerLost) -> Outcome:
+    """The coordinator went silent after we reported. If its marker exists the snapshot is
+    committed (it died after committing); otherwise it is not, and never will be."""
+    try:
+        marker = commit.committed_marker(storage, sid)
+    except TrainsnapError:
+        return Outcome(sid, rank_errors={r: f"coordinator: {why}" for r, why in e.ranks.items()})
+    return Outcome(sid, manifest_summary={**marker.summary, "bytes_new": 0})
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+def run_load(
+    state: Any,
+    storage: Storage,
+    snapshot: str,
+    comm: Comm,
+    check: Callable[[Manifest], str],
+    *,
+    allow_pickle: bool,
+) -> tuple[Manifest, str, int]:
+    """Load on every rank; returns (manifest, level reached, bytes read on this rank)."""
+    session = comm.session("load")
+    try:
+        return _load(state, storage, snapshot, comm, session, check, allow_pickle=allow_pickle)
+    finally:
+        session.close()
+
+
+def _load(
+    state: Any,
+    storage: Storage,
+    snapshot: str,
+    comm: Comm,
+    session: Session,
+    check: Callable[[Manifest], str],
+    *,
+    allow_pickle: bool,
+) -> tuple[Manifest, str, int]:
+    from .snapshot import resolve
+
+    chosen: tuple[str | None, str | None] = (None, None)
+    if comm.is_coordinator:
+        try:
+            chosen = (resolve(storage, snapshot), None)
+        except TrainsnapError as e:
+            if comm.world_size == 1:
+                raise
+            chosen = (None, _describe_error(e))
+    sid, why = session.broadcast("snapshot", chosen)
+    if sid is None:
+        raise IncompatibleError(f"no snapshot to load: {why}")
+    error: TrainsnapError | None = None
+    m: Manifest | None = None
+    level, nread = "", 0
+    try:
+        m = commit.open_snapshot(storage, sid)
+        level = check(m)
+        world = int(m.topology.get("world_size", 1))
+        reader = fill(
+            storage, m, targets(state), comm.rank, allow_pickle=allow_pickle,
+            same_world=world == comm.world_size,
+        )  # fmt: skip
+        nread = reader.bytes_read
+    except TrainsnapError as e:
+        if comm.world_size == 1:
+            raise
+        error = e
+    results = session.gather("loaded", None if error is None else _describe_error(error))
+    failed: dict[int, str] = {}
+    if comm.is_coordinator:
+        assert results is not None
+        failed = {r: why for r, why in enumerate(results) if why is not None}
+    failed = session.broadcast("load-outcome", failed)
+    if error is not None:
+        raise error
+    if failed:
+        raise CommitFailedError(
+            f"loading snapshot {sid} failed on {len(failed)} rank(s); the state of every rank "
+            "is unusable until a load succeeds",
+            snapshot_id=sid,
+            rank_errors=failed,
+        )
+    assert m is not None
+    return m, level, nread
