@@ -8,9 +8,11 @@ at most one block of extra bytes at each end.
 
 from __future__ import annotations
 
+import mmap
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -102,6 +104,26 @@ def gather(parts: list[memoryview], size: int) -> memoryview:
 
 
 # -- reading --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
+    """A temporary host buffer that goes back to the operating system when done.
+
+    Anonymous mappings, not heap memory: freed heap chunks stay in per-thread malloc arenas, so
+    a load that cycles bounce buffers through eight I/O threads would hold several times its
+    budget in resident memory. A mapping is unmapped on exit and the budget is what is resident.
+    """
+    if nbytes < (1 << 20):
+        yield memoryview(bytearray(nbytes))
+        return
+    region = mmap.mmap(-1, nbytes)
+    view = memoryview(region)
+    try:
+        yield view
+    finally:
+        view.release()
+        region.close()
 
 
 class BytesBudget:
@@ -214,11 +236,11 @@ class Reader:
         size = int(self.m.object_sizes[o])
         lo = min(s for s, _, _ in segments) // bs * bs
         hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
-        buf = memoryview(bytearray(hi - lo))
-        self._get(o, lo, buf, key)
-        self._check(o, lo // bs, buf, key)
-        for start, stop, out in segments:
-            out[:] = buf[start - lo : stop - lo]
+        with bounce_buffer(hi - lo) as buf:
+            self._get(o, lo, buf, key)
+            self._check(o, lo // bs, buf, key)
+            for start, stop, out in segments:
+                out[:] = buf[start - lo : stop - lo]
 
     def payload_runs(self, owner: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """Where bytes ``[start, stop)`` of a payload (shard or value row) live:

@@ -25,7 +25,7 @@ import torch
 
 from . import codec, tunables
 from .capture import Targets, TensorItem, ValueTarget
-from .engine import BytesBudget, Reader, run_all, tensor_bytes
+from .engine import BytesBudget, Reader, bounce_buffer, run_all, tensor_bytes
 from .errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
 from .manifest import Manifest, keys_summary
 from .spec import Piece, Region, RegionIndex
@@ -137,6 +137,15 @@ class _Direct:
     key: str
 
 
+def _strided_copy(buf: memoryview, part: Piece, lo: int, work: torch.Tensor) -> None:
+    """Copy a piece from a bounce buffer holding source elements ``[lo, ...)`` into ``work``.
+    Every tensor viewing ``buf`` dies with this frame, so the buffer can be unmapped after."""
+    src = torch.frombuffer(buf, dtype=torch.uint8).view(work.dtype)
+    src = src.as_strided(part.sizes, part.src_strides, part.src_offset - lo)
+    dst = work.as_strided(part.sizes, part.dst_strides, work.storage_offset() + part.dst_offset)
+    dst.copy_(src)
+
+
 def _piece_tasks(
     reader: Reader,
     dest: _Dest,
@@ -162,13 +171,9 @@ def _piece_tasks(
         nbytes = (hi - lo) * isz
         budget.acquire(nbytes)
         try:
-            buf = bytearray(nbytes)
-            reader.read_payload(shard, lo * isz, hi * isz, memoryview(buf), key)
-            src = torch.frombuffer(buf, dtype=torch.uint8).view(dest.work.dtype)
-            src = src.as_strided(part.sizes, part.src_strides, part.src_offset - lo)
-            w = dest.work
-            dst = w.as_strided(part.sizes, part.dst_strides, w.storage_offset() + part.dst_offset)
-            dst.copy_(src)
+            with bounce_buffer(nbytes) as buf:
+                reader.read_payload(shard, lo * isz, hi * isz, buf, key)
+                _strided_copy(buf, part, lo, dest.work)
         finally:
             budget.release(nbytes)
 
