@@ -1,5 +1,6 @@
 """trainsnap: crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
 
+from . import data, rng
 from ._version import __version__
 from .capture import Sharded
 from .errors import (
@@ -13,6 +14,7 @@ from .errors import (
 )
 from .snapshot import SnapshotInfo, list_snapshots, load, save
 from .storage import open_storage
+from .trainstate import TrainState
 from .verify import VerifyReport, verify
 
 __all__ = [
@@ -24,12 +26,15 @@ __all__ = [
     "NotFoundError",
     "Sharded",
     "SnapshotInfo",
+    "TrainState",
     "TrainsnapError",
     "VerifyReport",
     "__version__",
+    "data",
     "list_snapshots",
     "load",
     "open_storage",
+    "rng",
     "save",
     "verify",
 ]

@@ -24,21 +24,21 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import commit, tunables
+from . import commit, errors, tunables
 from .assemble import assemble
 from .capture import targets
 from .checksum import Hasher
 from .comm import Comm, PeerLost, Session
-from .errors import CommitFailedError, IncompatibleError, InvalidArgumentError, TrainsnapError
-from .loading import fill
+from .errors import CommitFailedError, InvalidArgumentError, TrainsnapError
+from .loading import fill, read_value
 from .manifest import Manifest
 from .saveplan import Assignment, RankMeta, SavePlan, plan_save
 from .saving import Local, SaveOptions, WriteReport, describe, write_assigned
 from .storage.base import Storage
+from .trainstate import TrainState
 
 log = logging.getLogger("trainsnap.save")
 load_log = logging.getLogger("trainsnap.load")
@@ -221,16 +221,36 @@ def run_load(
     storage: Storage,
     snapshot: str,
     comm: Comm,
-    check: Callable[[Manifest], str],
     *,
+    level: str,
+    allow_downgrade: bool,
     allow_pickle: bool,
 ) -> tuple[Manifest, str, int]:
     """Load on every rank; returns (manifest, level reached, bytes read on this rank)."""
     session = comm.session("load")
     try:
-        return _load(state, storage, snapshot, comm, session, check, allow_pickle=allow_pickle)
+        return _load(state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle)
     finally:
         session.close()
+
+
+def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> str:
+    """(coordinator) which snapshot: "latest" must mean the same snapshot on every rank."""
+    from .snapshot import resolve
+
+    chosen: tuple[str | None, str, str] = (None, "", "")
+    if comm.is_coordinator:
+        try:
+            chosen = (resolve(storage, snapshot), "", "")
+        except TrainsnapError as e:
+            if comm.world_size == 1:
+                raise
+            chosen = (None, type(e).__name__, e.message)
+    sid, kind, why = session.broadcast("snapshot", chosen)
+    if sid is None:
+        cls = getattr(errors, kind, TrainsnapError)
+        raise cls(f"{why} (decided by the coordinator, rank {comm.coordinator})")
+    return str(sid)
 
 
 def _load(
@@ -239,32 +259,26 @@ def _load(
     snapshot: str,
     comm: Comm,
     session: Session,
-    check: Callable[[Manifest], str],
-    *,
+    level: str,
+    allow_downgrade: bool,
     allow_pickle: bool,
 ) -> tuple[Manifest, str, int]:
-    from .snapshot import resolve
-
-    chosen: tuple[str | None, str | None] = (None, None)
-    if comm.is_coordinator:
-        try:
-            chosen = (resolve(storage, snapshot), None)
-        except TrainsnapError as e:
-            if comm.world_size == 1:
-                raise
-            chosen = (None, _describe_error(e))
-    sid, why = session.broadcast("snapshot", chosen)
-    if sid is None:
-        raise IncompatibleError(f"no snapshot to load: {why}")
+    sid = _resolve(storage, snapshot, comm, session)
     error: TrainsnapError | None = None
     m: Manifest | None = None
-    level, nread = "", 0
+    tree: Any = state
+    reached, nread = level, 0
     try:
         m = commit.open_snapshot(storage, sid)
-        level = check(m)
+        if isinstance(state, TrainState):
+            plan = state.plan_load(
+                m, level, world_size=comm.world_size, allow_downgrade=allow_downgrade,
+                read_value=lambda key: read_value(storage, m, key, comm.rank),
+            )  # fmt: skip
+            tree, reached = plan.tree, plan.level
         world = int(m.topology.get("world_size", 1))
         reader = fill(
-            storage, m, targets(state), comm.rank, allow_pickle=allow_pickle,
+            storage, m, targets(tree), comm.rank, allow_pickle=allow_pickle,
             same_world=world == comm.world_size,
         )  # fmt: skip
         nread = reader.bytes_read
@@ -272,11 +286,15 @@ def _load(
         if comm.world_size == 1:
             raise
         error = e
-    results = session.gather("loaded", None if error is None else _describe_error(error))
+    report = (None if error is None else _describe_error(error), reached)
+    results = session.gather("loaded", report)
     failed: dict[int, str] = {}
     if comm.is_coordinator:
         assert results is not None
-        failed = {r: why for r, why in enumerate(results) if why is not None}
+        failed = {r: why for r, (why, _) in enumerate(results) if why is not None}
+        levels = {lvl for why, lvl in results if why is None}
+        if len(levels) > 1:
+            failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
     failed = session.broadcast("load-outcome", failed)
     if error is not None:
         raise error
@@ -288,4 +306,6 @@ def _load(
             rank_errors=failed,
         )
     assert m is not None
-    return m, level, nread
+    if isinstance(state, TrainState):
+        state.apply(tree)
+    return m, reached, nread

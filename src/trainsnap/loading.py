@@ -290,6 +290,21 @@ def read_values(
     return decoded
 
 
+def read_value(storage: Storage, m: Manifest, key: str, rank: int) -> Any:
+    """One value of a snapshot, verified and decoded (JSON only)."""
+    vi = m.find_value(key, rank)
+    if vi is None:
+        raise NotFoundError(f"snapshot {m.snapshot_id} has no value {key!r}", key=key)
+    reader = Reader(storage, m)
+    owner = m.value_chunk_base() + vi
+    n = reader.payload_size(owner)
+    buf = bytearray(n)
+    reader.read_payload(owner, 0, n, memoryview(buf), key)
+    return codec.decode(
+        m.value_codecs[vi], bytes(buf), key, allow_pickle=False, snapshot_id=m.snapshot_id
+    )
+
+
 def fill(
     storage: Storage,
     m: Manifest,

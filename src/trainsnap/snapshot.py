@@ -13,11 +13,12 @@ from typing import Any
 from . import commit, tunables
 from .collective import run_load, run_save
 from .comm import Comm, Timeouts, default_comm
-from .errors import IncompatibleError, InvalidArgumentError, NotFoundError
-from .manifest import LEVELS, Manifest, level_rank
+from .errors import InvalidArgumentError, NotFoundError
+from .manifest import LEVELS, Manifest
 from .marker import Marker
 from .saving import SaveOptions
 from .storage import Storage, open_storage
+from .trainstate import TrainState
 
 log = logging.getLogger("trainsnap.load")
 
@@ -113,18 +114,28 @@ def save(
     if async_save:
         raise InvalidArgumentError("async_save is not available yet in this version of trainsnap")
     storage = open_storage(root, **dict(storage_options or {}))
+    tree, kinds = state, {}
+    user_versions = dict(versions or {})
+    if isinstance(state, TrainState):
+        tree, kinds, level = state.save_tree(), state.kinds(), state.offered_level()
+        user_versions = {**state.versions, **user_versions}
+        tokens, samples = state.counters()
+        tokens_seen = tokens if tokens_seen is None else tokens_seen
+        samples_seen = samples if samples_seen is None else samples_seen
+        data_cursor = state.data_cursor() if data_cursor is None else data_cursor
     opts = SaveOptions(
         step=step,
         level=level,
         tokens_seen=tokens_seen,
         samples_seen=samples_seen,
         data_cursor=data_cursor,
-        user_versions=dict(versions or {}),
+        state_kinds=kinds,
+        user_versions=user_versions,
         meta=dict(meta or {}),
         allow_pickle=allow_pickle,
         checksum=checksum,
     )
-    result = run_save(state, storage, opts, _comm(coordinator, timeout))
+    result = run_save(tree, storage, opts, _comm(coordinator, timeout))
     if result.manifest is not None:
         return SnapshotInfo.from_manifest(result.manifest, storage.url)
     return SnapshotInfo.from_summary(
@@ -179,20 +190,10 @@ def load(
     t0 = time.perf_counter()
     storage = open_storage(root, **dict(storage_options or {}))
 
-    def check(m: Manifest) -> str:
-        if level_rank(m.level) >= level_rank(level):
-            return level
-        if not allow_downgrade:
-            raise IncompatibleError(
-                f"snapshot {m.snapshot_id} offers resume level {m.level!r}, {level!r} was asked. "
-                f"Pass level={m.level!r} or allow_downgrade=True to continue at the lower level.",
-                snapshot_id=m.snapshot_id,
-            )
-        return m.level
-
     m, reached, nread = run_load(
-        state, storage, snapshot, _comm(coordinator, timeout), check, allow_pickle=allow_pickle
-    )
+        state, storage, snapshot, _comm(coordinator, timeout),
+        level=level, allow_downgrade=allow_downgrade, allow_pickle=allow_pickle,
+    )  # fmt: skip
     dt = time.perf_counter() - t0
     log.info(
         "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",

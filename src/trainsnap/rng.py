@@ -1,0 +1,99 @@
+"""Random number generators as restorable state, and randomness that does not depend on ranks.
+
+:func:`capture` / :func:`restore` take and put back every generator a training step may draw
+from: Python's ``random``, NumPy's global generator, torch's CPU generator and every CUDA
+device's. These are per-rank state: a rank restores its own.
+
+:func:`derive_seed`, :func:`generator` and :func:`fork` derive randomness from (seed, step,
+global sample index) instead, so that dropout masks and augmentations are the same whatever the
+data-parallel layout -- the randomness a resume on a different number of ranks can reproduce.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers with good avalanche."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed that depends on ``seed`` and every part, in order (e.g. step, sample id)."""
+    z = _mix(seed & _MASK64)
+    for p in parts:
+        z = _mix(z ^ (p & _MASK64))
+    return z >> 1
+
+
+def generator(seed: int, *parts: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A fresh torch generator seeded from (seed, *parts)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(derive_seed(seed, *parts))
+    return g
+
+
+@contextmanager
+def fork(seed: int, *parts: int) -> Iterator[None]:
+    """Run a block with torch's global generators seeded from (seed, *parts), then put the
+    previous state back: code that draws from the global generator (``nn.Dropout``) becomes a
+    function of the seed and the parts, not of what ran before on this rank."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(derive_seed(seed, *parts))
+        yield
+
+
+def capture() -> dict[str, Any]:
+    """Every generator's state on this rank, as tensors and plain data."""
+    py = random.getstate()
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": py[0], "state": list(py[1]), "gauss": py[2]},
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture` took (CUDA only where the saved and present devices agree)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise ValueError(
+                f"the snapshot holds CUDA RNG state of {len(cuda)} devices, this process sees "
+                f"{torch.cuda.device_count()}"
+            )
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def template() -> dict[str, Any]:
+    """A state of the right structure for loading into (filled by a load, then restored)."""
+    return capture()
