@@ -1,7 +1,8 @@
 """trainsnap: crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
 
-from . import data, rng
+from . import data, rng, trace
 from ._version import __version__
+from .asyncsave import AsyncSaver, SaveHandle
 from .capture import Sharded
 from .errors import (
     CommitFailedError,
@@ -18,12 +19,14 @@ from .trainstate import TrainState
 from .verify import VerifyReport, verify
 
 __all__ = [
+    "AsyncSaver",
     "CommitFailedError",
     "CorruptError",
     "IncompatibleError",
     "IncompleteError",
     "InvalidArgumentError",
     "NotFoundError",
+    "SaveHandle",
     "Sharded",
     "SnapshotInfo",
     "TrainState",
@@ -35,6 +38,7 @@ __all__ = [
     "load",
     "open_storage",
     "rng",
+    "trace",
     "save",
     "verify",
 ]

@@ -27,7 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import commit, errors, tunables
+from . import commit, errors, trace, tunables
 from .assemble import assemble
 from .capture import targets
 from .checksum import Hasher
@@ -37,6 +37,7 @@ from .loading import fill, read_value
 from .manifest import Manifest
 from .saveplan import Assignment, RankMeta, SavePlan, plan_save
 from .saving import Local, SaveOptions, WriteReport, describe, write_assigned
+from .staging import BudgetExceeded, Lease, StagingPool
 from .storage.base import Storage
 from .trainstate import TrainState
 
@@ -78,19 +79,61 @@ class SaveResult:
     outcome: Outcome
     bytes_new: int
     seconds: float
+    pause: float = 0.0
+    """Seconds the caller was blocked (the whole save when synchronous)."""
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """A save past its agreement and plan (and, when asynchronous, its staging): what is left
+    is writing and committing, which :func:`finish_save` does, on any thread."""
+
+    storage: Storage
+    opts: SaveOptions
+    comm: Comm
+    session: Session
+    hasher: Hasher
+    local: Local
+    assignment: Assignment
+    metas: list[RankMeta] | None
+    plan: SavePlan | None
+    mesh: dict[str, int]
+    t0: float
+    pause: float = 0.0
+    lease: Lease | None = None
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.assignment.snapshot_id
 
 
 def run_save(state: Any, storage: Storage, opts: SaveOptions, comm: Comm) -> SaveResult:
+    """A synchronous save: every step on the calling thread."""
+    return finish_save(prepare_save(state, storage, opts, comm, pool=None))
+
+
+def prepare_save(
+    state: Any, storage: Storage, opts: SaveOptions, comm: Comm, pool: StagingPool | None
+) -> PendingSave:
+    """Steps 1 and 2, then staging into ``pool`` when given (an asynchronous save): once this
+    returns, the caller may change its tensors."""
     t0 = time.perf_counter()
     hasher = Hasher(opts.checksum, tunables.get().block_size)
     session = comm.session("save")
     try:
-        return _save(state, storage, opts, comm, session, hasher, t0)
-    finally:
+        pending = _agree(state, storage, opts, comm, session, hasher, t0)
+        if pool is not None:
+            with trace.span("stage", step=opts.step) as ev:
+                pending.lease = _stage(pending, pool)
+                ev["bytes"] = pending.lease.nbytes if pending.lease else 0
+        pending.pause = time.perf_counter() - t0
+        return pending
+    except BaseException:
         session.close()
+        raise
 
 
-def _save(
+def _agree(
     state: Any,
     storage: Storage,
     opts: SaveOptions,
@@ -98,61 +141,105 @@ def _save(
     session: Session,
     hasher: Hasher,
     t0: float,
-) -> SaveResult:
+) -> PendingSave:
     # 1. (all ranks) describe
     local: Local | None = None
-    try:
-        local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
-        meta = local.meta(comm.rank, opts.step)
-        mesh = local.captured.mesh
-    except TrainsnapError as e:
-        if comm.world_size == 1:
-            raise
-        meta, mesh = RankMeta(comm.rank, opts.step, error=_describe_error(e)), {}
-    # 2. (coordinator) plan
-    sid = commit.new_snapshot_id(opts.step)
-    metas = session.gather("meta", meta)
-    assignments: list[Assignment] | None = None
-    plan: SavePlan | None = None
-    if comm.is_coordinator:
-        assert metas is not None
+    with trace.span("capture", step=opts.step):
         try:
-            plan = plan_save(metas, sid)
-        except Exception as e:  # a planner bug must not leave the other ranks waiting
-            log.exception("planning snapshot %s failed", sid)
-            why = [f"planner: {_describe_error(e)}"]
-            plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
-        assignments = plan.assignments
-    assignment: Assignment = session.scatter("plan", assignments)
+            local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
+            meta = local.meta(comm.rank, opts.step)
+            mesh = local.captured.mesh
+        except TrainsnapError as e:
+            if comm.world_size == 1:
+                raise
+            meta, mesh = RankMeta(comm.rank, opts.step, error=_describe_error(e)), {}
+    # 2. (coordinator) plan
+    with trace.span("plan", step=opts.step):
+        sid = commit.new_snapshot_id(opts.step)
+        metas = session.gather("meta", meta)
+        assignments: list[Assignment] | None = None
+        plan: SavePlan | None = None
+        if comm.is_coordinator:
+            assert metas is not None
+            try:
+                plan = plan_save(metas, sid)
+            except Exception as e:  # a planner bug must not leave the other ranks waiting
+                log.exception("planning snapshot %s failed", sid)
+                why = [f"planner: {_describe_error(e)}"]
+                plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
+            assignments = plan.assignments
+        assignment: Assignment = session.scatter("plan", assignments)
     if assignment.problems:
         raise _refusal(assignment.problems)
     assert local is not None
-    sid = assignment.snapshot_id
-    # 3. (all ranks) stage and write
+    return PendingSave(
+        storage, opts, comm, session, hasher, local, assignment, metas, plan, mesh, t0
+    )
+
+
+def _stage(p: PendingSave, pool: StagingPool) -> Lease | None:
+    """Copy what this rank writes into pool buffers. Values are already bytes of their own.
+    A save larger than the pool's budget is not staged: it will be written synchronously."""
+    tensors = p.local.captured.tensors
+    sizes = [p.local.entries[i][4] for i, _ in p.assignment.entries]
     try:
-        report = write_assigned(storage, hasher, local, assignment)
-    except Exception as e:  # reported to the coordinator, raised everywhere below
-        if comm.world_size == 1:
-            raise CommitFailedError(
-                f"save of step {opts.step} failed while writing: {_describe_error(e)}; "
-                "nothing was committed",
-                snapshot_id=sid,
-                rank_errors={0: _describe_error(e)},
-            ) from e
-        report = WriteReport(error=_describe_error(e))
-    # 4. (coordinator) gather reports, commit
-    outcome = Outcome(snapshot_id=sid)
-    manifest = None
-    if comm.is_coordinator:
-        assert metas is not None and plan is not None
-        manifest, outcome = _commit(storage, opts, hasher, session, metas, plan, report, mesh, comm)
-        session.broadcast("outcome", outcome)
-    else:
+        pool.check_fits(sizes)
+    except BudgetExceeded as e:
+        log.warning("snapshot %s is saved synchronously: %s", p.snapshot_id, e)
+        return None
+    lease = Lease()
+    try:
+        for i, _scope in p.assignment.entries:
+            view = pool.stage(tensors[i].local, lease)
+            p.local.staged[i] = (view, tensors[i].local)
+    except BaseException:
+        pool.release(lease)
+        raise
+    return lease
+
+
+def finish_save(p: PendingSave) -> SaveResult:
+    """Steps 3 to 5: write, report, commit, learn the outcome. Closes the session."""
+    try:
+        return _finish(p)
+    finally:
+        p.session.close()
+
+
+def _finish(p: PendingSave) -> SaveResult:
+    comm, opts, sid = p.comm, p.opts, p.snapshot_id
+    if p.lease is not None:
+        p.lease.wait_copies()
+    # 3. (all ranks) write
+    with trace.span("write", step=opts.step) as ev:
         try:
-            session.gather("report", report)
-            outcome = session.broadcast("outcome")
-        except PeerLost as e:
-            outcome = _outcome_without_coordinator(storage, sid, e)
+            report = write_assigned(p.storage, p.hasher, p.local, p.assignment)
+            ev["bytes"] = report.bytes_new
+        except Exception as e:  # reported to the coordinator, raised everywhere below
+            if comm.world_size == 1:
+                raise CommitFailedError(
+                    f"save of step {opts.step} failed while writing: {_describe_error(e)}; "
+                    "nothing was committed",
+                    snapshot_id=sid,
+                    rank_errors={0: _describe_error(e)},
+                ) from e
+            report = WriteReport(error=_describe_error(e))
+    # 4. (coordinator) gather reports, commit
+    with trace.span("commit", step=opts.step):
+        outcome = Outcome(snapshot_id=sid)
+        manifest = None
+        if comm.is_coordinator:
+            assert p.metas is not None and p.plan is not None
+            manifest, outcome = _commit(
+                p.storage, opts, p.hasher, p.session, p.metas, p.plan, report, p.mesh, comm
+            )
+            p.session.broadcast("outcome", outcome)
+        else:
+            try:
+                p.session.gather("report", report)
+                outcome = p.session.broadcast("outcome")
+            except PeerLost as e:
+                outcome = _outcome_without_coordinator(p.storage, sid, e)
     # 5. (all ranks) learn the outcome
     if not outcome.ok:
         raise CommitFailedError(
@@ -161,15 +248,17 @@ def _save(
             snapshot_id=sid,
             rank_errors=outcome.rank_errors,
         )
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - p.t0
+    pause = p.pause if p.lease is not None else dt
     if comm.is_coordinator:
         s = outcome.manifest_summary
         log.info(
-            "saved snapshot %s step=%d bytes=%d written=%d ranks=%d seconds=%.3f MBps=%.1f root=%s",
-            sid, opts.step, s["nbytes"], s["bytes_new"], comm.world_size, dt,
-            s["nbytes"] / max(dt, 1e-9) / 1e6, storage.url,
+            "saved snapshot %s step=%d bytes=%d written=%d ranks=%d pause=%.3f drain=%.3f "
+            "seconds=%.3f MBps=%.1f root=%s",
+            sid, opts.step, s["nbytes"], s["bytes_new"], comm.world_size, pause,
+            dt - pause, dt, s["nbytes"] / max(dt, 1e-9) / 1e6, p.storage.url,
         )  # fmt: skip
-    return SaveResult(manifest, outcome, report.bytes_new, dt)
+    return SaveResult(manifest, outcome, report.bytes_new, dt, pause)
 
 
 def _commit(

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from . import commit, tunables
+from .asyncsave import AsyncSaver, default_saver
 from .collective import run_load, run_save
 from .comm import Comm, Timeouts, default_comm
 from .errors import InvalidArgumentError, NotFoundError
@@ -101,6 +102,7 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     coordinator: int = 0,
     timeout: float | None = None,
+    saver: AsyncSaver | None = None,
 ) -> SnapshotInfo:
     """Save ``state`` (a mapping of tensors, plain data and stateful objects) as a new snapshot
     of ``root`` at ``step``, and commit it. Returns the committed snapshot.
@@ -110,9 +112,12 @@ def save(
     commits, and ``timeout`` (seconds) bounds how long ranks wait for each other. ``versions``
     (model, tokenizer, code, data...) are recorded for resume checks; ``meta`` is free-form plain
     data kept in the manifest. Values that are not plain data are refused unless ``allow_pickle``.
+
+    With ``async_save=True`` the call returns once the state is staged (copied into reused host
+    buffers) with a :class:`~trainsnap.asyncsave.SaveHandle`: ``wait()`` gives the snapshot or
+    raises. Writing and the commit continue in the background; at most one save per ``saver``
+    (default: the process's) is in flight, and a failure is raised by the next save or wait.
     """
-    if async_save:
-        raise InvalidArgumentError("async_save is not available yet in this version of trainsnap")
     storage = open_storage(root, **dict(storage_options or {}))
     tree, kinds = state, {}
     user_versions = dict(versions or {})
@@ -135,6 +140,9 @@ def save(
         allow_pickle=allow_pickle,
         checksum=checksum,
     )
+    if async_save:
+        handle = (saver or default_saver()).save(tree, storage, opts, _comm(coordinator, timeout))
+        return handle  # type: ignore[return-value]  # a SaveHandle: .wait() -> SnapshotInfo
     result = run_save(tree, storage, opts, _comm(coordinator, timeout))
     if result.manifest is not None:
         return SnapshotInfo.from_manifest(result.manifest, storage.url)

@@ -1,0 +1,135 @@
+"""Staging: copying the state into reused host buffers so training can go on while they are
+written.
+
+A fresh buffer costs a page fault per page on first touch -- an order of magnitude slower than
+copying into memory that is already mapped -- so buffers are kept and reused from one save to the
+next (a state keeps its sizes, so each payload usually finds a buffer of exactly its size).
+Buffers for device tensors are pinned and filled on a side stream with non-blocking copies; the
+training stream waits for those copies on the device, not the host.
+
+A staged buffer belongs to its save (:class:`Lease`) until every write of that save has finished
+and the lease is released: it is never modified or reused while its bytes may still be read.
+The pool never holds more than its budget; a save that would need more is refused here (and the
+caller saves synchronously, with no staging at all).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .engine import tensor_bytes
+
+
+class BudgetExceeded(Exception):
+    """The pool cannot hold this save within its budget."""
+
+
+@dataclass(slots=True)
+class Lease:
+    """The buffers one save staged into, held until its writes are done."""
+
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    events: list[Any] = field(default_factory=list)
+    """CUDA events marking the end of device-to-host copies (waited on before reading)."""
+
+    def wait_copies(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+        self.events.clear()
+
+
+class StagingPool:
+    """Reusable host buffers, bounded by ``budget`` bytes (None: unbounded)."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._allocated = 0
+        self._lock = threading.Lock()
+        self._stream: Any = None
+
+    @property
+    def allocated(self) -> int:
+        return self._allocated
+
+    def _take(self, n: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            exact = self._free.get((n, pinned))
+            if exact:
+                return exact.pop()
+            if self.budget is not None and self._allocated + n > self.budget:
+                self._trim(self._allocated + n - self.budget)
+                if self._allocated + n > self.budget:
+                    raise BudgetExceeded(
+                        f"staging {n} more bytes would exceed the budget of {self.budget}"
+                    )
+            self._allocated += n
+        buf = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        buf.fill_(0)  # fault the pages in now, once; later saves reuse them warm
+        return buf
+
+    def _trim(self, need: int) -> None:
+        """Free idle buffers, largest first, until ``need`` bytes are released (lock held)."""
+        idle = sorted(((n, p) for (n, p), bufs in self._free.items() for _ in bufs), reverse=True)
+        for n, p in idle:
+            if need <= 0:
+                return
+            self._free[(n, p)].pop()
+            self._allocated -= n
+            need -= n
+
+    def check_fits(self, sizes: list[int]) -> None:
+        """Raise :class:`BudgetExceeded` unless a save of these payload sizes fits."""
+        if self.budget is not None and sum(sizes) > self.budget:
+            raise BudgetExceeded(
+                f"the state to stage ({sum(sizes)} bytes) exceeds the staging budget "
+                f"({self.budget} bytes)"
+            )
+
+    def stage(self, t: torch.Tensor, lease: Lease) -> memoryview:
+        """Copy ``t`` into a pool buffer held by ``lease``; returns the staged bytes."""
+        x = t.detach()
+        n = x.numel() * x.element_size()
+        if n == 0:
+            return memoryview(b"")
+        device = x.device.type == "cuda"
+        buf = self._take(n, pinned=device)
+        lease.buffers.append(buf)
+        lease.nbytes += n
+        dst = buf.view(x.dtype).view(x.shape) if x.dim() else buf.view(x.dtype).view(())
+        if x.is_conj():
+            x = x.resolve_conj()
+        if x.is_neg():
+            x = x.resolve_neg()
+        if device:
+            self._copy_on_side_stream(dst, x, lease)
+        else:
+            dst.copy_(x)
+        return tensor_bytes(buf)
+
+    def _copy_on_side_stream(self, dst: torch.Tensor, src: torch.Tensor, lease: Lease) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
+        current = torch.cuda.current_stream(src.device)
+        self._stream.wait_stream(current)  # the copy sees every write issued so far
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self._stream)
+        # Training's next kernels may overwrite ``src`` only after the copy: ordered on the
+        # device, the host does not wait.
+        current.wait_event(ev)
+        src.record_stream(self._stream)
+        lease.events.append(ev)
+
+    def release(self, lease: Lease) -> None:
+        """Give a finished save's buffers back for reuse."""
+        with self._lock:
+            for buf in lease.buffers:
+                self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
+            lease.buffers = []
