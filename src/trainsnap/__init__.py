@@ -13,12 +13,34 @@ from .errors import (
     NotFoundError,
     TrainsnapError,
 )
+from .manager import CheckpointManager
+from .policy import (
+    Every,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    KeepTagged,
+    StepInfo,
+    YoungDaly,
+    daly_interval,
+    young_interval,
+)
 from .snapshot import SnapshotInfo, list_snapshots, load, save
 from .storage import open_storage
 from .trainstate import TrainState
 from .verify import VerifyReport, verify
 
 __all__ = [
+    "CheckpointManager",
+    "Every",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "KeepTagged",
+    "StepInfo",
+    "YoungDaly",
+    "daly_interval",
+    "young_interval",
     "AsyncSaver",
     "CommitFailedError",
     "CorruptError",

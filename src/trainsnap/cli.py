@@ -31,10 +31,11 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from . import commit
+from . import commit, gc, lease
 from ._version import __version__
 from .errors import IncompleteError, NotFoundError, TrainsnapError
 from .manifest import Manifest, check_snapshot_id
+from .policy import daly_interval, parse_duration, young_interval
 from .snapshot import SnapshotInfo, resolve
 from .spec import Flat, Region
 from .storage import Storage, open_storage
@@ -508,6 +509,55 @@ def verify_command(
     )
     if not report.ok:
         raise typer.Exit(1)
+
+
+# -- gc and interval ------------------------------------------------------------------------------
+
+
+@app.command("gc")
+@_reports_errors
+def gc_command(
+    root: RootArg,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be freed; delete nothing.")
+    ] = False,
+    grace: Annotated[
+        str,
+        typer.Option(
+            help="While a writer holds the root, leave unreferenced objects younger than this."
+        ),
+    ] = "1h",
+) -> None:
+    """Delete objects no committed snapshot references, and leftovers of interrupted saves.
+
+    When no writer holds the root (its last job closed), everything unreferenced goes at once;
+    otherwise only what is older than the grace period (a save in flight may still need it).
+    """
+    storage = open_storage(root)
+    writer = lease.active_writer(storage)
+    report = gc.collect_root(storage, grace=parse_duration(grace), dry_run=dry_run)
+    verb = "would free" if dry_run else "freed"
+    holder = f"writer generation {writer} holds the root" if writer else "no active writer"
+    _say(
+        f"{verb} {_human(report.bytes_freed)} in {len(report.objects_deleted)} object(s); "
+        f"{len(report.uncommitted_deleted)} uncommitted snapshot(s), "
+        f"{report.temporaries_deleted} temporary file(s); kept {report.objects_kept} object(s) "
+        f"of {report.snapshots_kept} snapshot(s) ({holder}"
+        + (f", {report.young_skipped} within the grace period)" if writer else ")")
+    )
+
+
+@app.command("interval")
+@_reports_errors
+def interval_command(
+    cost: Annotated[str, typer.Option(help="Blocking cost of one save, e.g. 30s, 5m.")],
+    mtbf: Annotated[str, typer.Option(help="Mean time between failures, e.g. 4h, 2d.")],
+) -> None:
+    """Young's and Daly's optimal checkpoint intervals."""
+    c, m = parse_duration(cost), parse_duration(mtbf)
+    _say(f"cost {c:g} s, MTBF {m:g} s")
+    _say(f"Young: {young_interval(c, m):.1f} s ({young_interval(c, m) / 60:.2f} min)")
+    _say(f"Daly:  {daly_interval(c, m):.1f} s ({daly_interval(c, m) / 60:.2f} min)")
 
 
 # -- demo and entry point -------------------------------------------------------------------------

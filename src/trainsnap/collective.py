@@ -258,6 +258,11 @@ def _finish(p: PendingSave) -> SaveResult:
             sid, opts.step, s["nbytes"], s["bytes_new"], comm.world_size, pause,
             dt - pause, dt, s["nbytes"] / max(dt, 1e-9) / 1e6, p.storage.url,
         )  # fmt: skip
+    if manifest is not None and opts.on_commit is not None:
+        try:
+            opts.on_commit(manifest)
+        except Exception:  # housekeeping must not turn a committed save into a failure
+            log.exception("post-commit housekeeping of snapshot %s failed", sid)
     return SaveResult(manifest, outcome, report.bytes_new, dt, pause)
 
 
@@ -284,7 +289,9 @@ def _commit(
     topology = {"world_size": comm.world_size, "coordinator": comm.coordinator, "mesh": mesh}
     try:
         manifest = assemble(sid, opts, hasher, metas, plan, reports, topology)
-        commit.write_commit(storage, manifest, writer={"world_size": comm.world_size})
+        commit.write_commit(
+            storage, manifest, writer={"world_size": comm.world_size}, fence=opts.fence
+        )
     except Exception as e:
         log.exception("commit of snapshot %s failed", sid)
         return None, Outcome(sid, rank_errors={comm.rank: f"commit: {_describe_error(e)}"})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +39,24 @@ def new_snapshot_id(step: int) -> str:
     return f"step-{step:012d}-{secrets.token_hex(4)}"
 
 
-def write_commit(storage: Storage, manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
-    """Steps 2 and 3 of the protocol (coordinator). Returns the manifest bytes."""
+def write_commit(
+    storage: Storage,
+    manifest: Manifest,
+    writer: Mapping[str, Any],
+    fence: Callable[[], None] | None = None,
+) -> bytes:
+    """Steps 2 and 3 of the protocol (coordinator). Returns the manifest bytes. ``fence``
+    raises if this writer may no longer commit (a newer one took the root over); it is asked
+    before the manifest and again just before the marker."""
     data = encode(manifest)
     sid = manifest.snapshot_id
+    if fence is not None:
+        fence()
     faults.point("before_manifest")
     storage.put(manifest_key(sid), data)
     faults.point("before_marker")
+    if fence is not None:
+        fence()
     storage.put(marker_key(sid), encode_marker(manifest, data, writer))
     faults.point("after_marker")
     return data

@@ -78,6 +78,8 @@ def write_object(storage: Storage, hasher: Hasher, data: memoryview) -> WrittenO
     key = object_key(name)
     try:
         if storage.stat(key) == len(data):
+            # Reused: refresh it so a collector's grace period covers it until we commit.
+            storage.refresh(key, data)
             return WrittenObject(name, len(data), digests, False)
     except FileNotFoundError:
         pass

@@ -212,13 +212,19 @@ class Manifest:
         return int(self.object_sizes.sum())
 
     def summary(self) -> dict[str, Any]:
-        return {
+        """What the marker repeats, for listing and retention without reading manifests."""
+        out: dict[str, Any] = {
             "step": self.step,
             "created": self.created,
             "level": self.level,
             "nbytes": self.nbytes,
             "tokens_seen": self.tokens_seen,
         }
+        if self.meta.get("metrics"):
+            out["metrics"] = self.meta["metrics"]
+        if self.meta.get("tags"):
+            out["tags"] = self.meta["tags"]
+        return out
 
 
 # -- building -------------------------------------------------------------------------------------

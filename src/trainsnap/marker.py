@@ -107,6 +107,15 @@ def _check_summary(s: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
         raise ValueError("summary.created: expected a string")
     if s.get("level") not in LEVELS:
         raise ValueError(f"summary.level: expected one of {LEVELS}, got {s.get('level')!r}")
+    metrics = s.get("metrics", {})
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        for k, v in metrics.items()
+    ):
+        raise ValueError("summary.metrics: expected an object of numbers")
+    tags = s.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ValueError("summary.tags: expected a list of strings")
     if step != id_step(snapshot_id):
         raise ValueError(f"summary.step {step} disagrees with the snapshot id {snapshot_id}")
     return s

@@ -6,7 +6,7 @@ The protocol around these steps (agreement, plan, commit) is in :mod:`trainsnap.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,6 +41,10 @@ class SaveOptions:
     meta: Mapping[str, Any] = field(default_factory=dict)
     allow_pickle: bool = False
     checksum: str = "xxh3-128"
+    fence: Callable[[], None] | None = None
+    """Raises when this writer may no longer commit (see :mod:`trainsnap.lease`)."""
+    on_commit: Callable[[Any], None] | None = None
+    """Called on the coordinator with the manifest once committed (retention, collection)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

@@ -85,6 +85,45 @@ def _parse_time(s: str) -> datetime:
         return datetime.fromtimestamp(0).astimezone()
 
 
+def save_options(
+    state: Any,
+    *,
+    step: int,
+    level: str = "strict",
+    tokens_seen: int | None = None,
+    samples_seen: int | None = None,
+    data_cursor: Any = None,
+    versions: Mapping[str, Any] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+    checksum: str = "xxh3-128",
+) -> tuple[Any, SaveOptions]:
+    """The tree to save and its options; a :class:`TrainState` gives its tree, kinds, level,
+    versions and counters."""
+    tree, kinds = state, {}
+    user_versions = dict(versions or {})
+    if isinstance(state, TrainState):
+        tree, kinds, level = state.save_tree(), state.kinds(), state.offered_level()
+        user_versions = {**state.versions, **user_versions}
+        tokens, samples = state.counters()
+        tokens_seen = tokens if tokens_seen is None else tokens_seen
+        samples_seen = samples if samples_seen is None else samples_seen
+        data_cursor = state.data_cursor() if data_cursor is None else data_cursor
+    opts = SaveOptions(
+        step=step,
+        level=level,
+        tokens_seen=tokens_seen,
+        samples_seen=samples_seen,
+        data_cursor=data_cursor,
+        state_kinds=kinds,
+        user_versions=user_versions,
+        meta=dict(meta or {}),
+        allow_pickle=allow_pickle,
+        checksum=checksum,
+    )
+    return tree, opts
+
+
 def save(
     state: Any,
     root: Root,
@@ -119,27 +158,11 @@ def save(
     (default: the process's) is in flight, and a failure is raised by the next save or wait.
     """
     storage = open_storage(root, **dict(storage_options or {}))
-    tree, kinds = state, {}
-    user_versions = dict(versions or {})
-    if isinstance(state, TrainState):
-        tree, kinds, level = state.save_tree(), state.kinds(), state.offered_level()
-        user_versions = {**state.versions, **user_versions}
-        tokens, samples = state.counters()
-        tokens_seen = tokens if tokens_seen is None else tokens_seen
-        samples_seen = samples if samples_seen is None else samples_seen
-        data_cursor = state.data_cursor() if data_cursor is None else data_cursor
-    opts = SaveOptions(
-        step=step,
-        level=level,
-        tokens_seen=tokens_seen,
-        samples_seen=samples_seen,
-        data_cursor=data_cursor,
-        state_kinds=kinds,
-        user_versions=user_versions,
-        meta=dict(meta or {}),
-        allow_pickle=allow_pickle,
+    tree, opts = save_options(
+        state, step=step, level=level, tokens_seen=tokens_seen, samples_seen=samples_seen,
+        data_cursor=data_cursor, versions=versions, meta=meta, allow_pickle=allow_pickle,
         checksum=checksum,
-    )
+    )  # fmt: skip
     if async_save:
         handle = (saver or default_saver()).save(tree, storage, opts, _comm(coordinator, timeout))
         return handle  # type: ignore[return-value]  # a SaveHandle: .wait() -> SnapshotInfo

@@ -83,6 +83,20 @@ class Storage(Protocol):
         """Remove ``key``; absent keys are not an error (deletion is idempotent)."""
         ...
 
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        """Create ``key`` with ``data`` only if it does not exist (atomically); False if it did.
+        Used for the root's writer generations (fencing)."""
+        ...
+
+    def mtime(self, key: str) -> float:
+        """Last modification time (seconds since the epoch); ``FileNotFoundError`` if absent."""
+        ...
+
+    def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        """Make an existing object count as recently written (its content unchanged), so that a
+        collector's grace period protects it while a save that reuses it is in flight."""
+        ...
+
 
 def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     if isinstance(data, bytes | bytearray | memoryview):

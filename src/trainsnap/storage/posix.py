@@ -85,6 +85,33 @@ class PosixStorage:
         if self.fsync:
             _fsync_dir(dest.parent)
 
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        dest = self._path(key)
+        self._ensure_dir(dest.parent)
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o644)
+        try:
+            _write_all(fd, as_buffers(data))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, dest)  # fails if dest exists: atomic create-if-absent with content
+        except FileExistsError:
+            return False
+        finally:
+            _unlink_quiet(tmp)
+        if self.fsync:
+            _fsync_dir(dest.parent)
+        return True
+
+    def mtime(self, key: str) -> float:
+        return self._path(key).stat().st_mtime
+
+    def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        os.utime(self._path(key))
+
     # -- reading ----------------------------------------------------------------------------
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
