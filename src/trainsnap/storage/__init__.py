@@ -16,8 +16,16 @@ from urllib.parse import urlparse
 from ..errors import InvalidArgumentError
 from .base import Storage, check_key
 from .posix import PosixStorage
+from .retry import RetryingStorage
 
-__all__ = ["PosixStorage", "Storage", "check_key", "open_storage", "register"]
+__all__ = [
+    "PosixStorage",
+    "RetryingStorage",
+    "Storage",
+    "check_key",
+    "open_storage",
+    "register",
+]
 
 Factory = Callable[[str, dict[str, Any]], Storage]
 _registry: dict[str, Factory] = {}
@@ -76,9 +84,10 @@ register("s3", _s3)
 
 
 def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
-    """The storage for a root given as a path, a URL or an already open :class:`Storage`."""
+    """The storage for a root given as a path, a URL or an already open :class:`Storage`,
+    with bounded retries of transient errors (:class:`RetryingStorage`)."""
     if isinstance(root, Storage) and not isinstance(root, str | os.PathLike):
-        return root
+        return root if isinstance(root, RetryingStorage) else RetryingStorage(root)
     url = os.fspath(root)
     if not url:
         raise InvalidArgumentError("root is empty; give a directory or a URL like s3://b/prefix")
@@ -90,4 +99,4 @@ def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Stor
             f"{sorted(s for s in _registry if s)}, or a plain path",
             path=url,
         )
-    return factory(url, options)
+    return RetryingStorage(factory(url, options))
