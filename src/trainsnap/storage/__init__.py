@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError
+from . import faulty
 from .base import Storage, check_key
 from .posix import PosixStorage
 from .retry import RetryingStorage
@@ -87,7 +88,9 @@ def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Stor
     """The storage for a root given as a path, a URL or an already open :class:`Storage`,
     with bounded retries of transient errors (:class:`RetryingStorage`)."""
     if isinstance(root, Storage) and not isinstance(root, str | os.PathLike):
-        return root if isinstance(root, RetryingStorage) else RetryingStorage(root)
+        if isinstance(root, RetryingStorage):
+            return root
+        return RetryingStorage(faulty.from_env(root))
     url = os.fspath(root)
     if not url:
         raise InvalidArgumentError("root is empty; give a directory or a URL like s3://b/prefix")
@@ -99,4 +102,4 @@ def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Stor
             f"{sorted(s for s in _registry if s)}, or a plain path",
             path=url,
         )
-    return RetryingStorage(factory(url, options))
+    return RetryingStorage(faulty.from_env(factory(url, options)))
