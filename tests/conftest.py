@@ -36,3 +36,13 @@ def small_blocks() -> tunables.Tunables:
 @pytest.fixture(autouse=True)
 def _log_level(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="trainsnap")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The chaos suite's table: fault, trials, detected, outcome."""
+    import chaos
+
+    table = chaos.render()
+    if table:
+        terminalreporter.section("chaos: contract under injected faults")
+        terminalreporter.write_line(table)

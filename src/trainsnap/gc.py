@@ -126,6 +126,16 @@ def _temporaries(storage: Storage, grace: float | None, now: float, dry_run: boo
 
 
 def collect_root(storage: Storage, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
-    """Collect with the grace period while a writer holds the root, everything otherwise."""
+    """Collect with the grace period while a writer holds the root, everything otherwise --
+    unless the listing is stale: the released writer's newest snapshot must be listed."""
     writer = lease.active_writer(storage)
+    if writer is None:
+        g = lease.current_generation(storage)
+        newest = lease.released_newest(storage, g) if g else None
+        if newest is not None and newest not in commit.snapshot_ids(storage):
+            raise TrainsnapError(
+                f"not collecting {storage.url}: the last writer committed {newest} but the "
+                "listing does not show it yet (a lagging listing). Try again later.",
+                snapshot_id=newest,
+            )
     return collect(storage, grace=grace if writer is not None else None, dry_run=dry_run)

@@ -55,6 +55,16 @@ def is_released(storage: Storage, generation: int) -> bool:
     return True
 
 
+def released_newest(storage: Storage, generation: int) -> str | None:
+    """The newest snapshot the released writer ``generation`` committed, if it said."""
+    try:
+        doc = json.loads(storage.get(f"{_REL}{generation:012d}"))
+    except (FileNotFoundError, ValueError):
+        return None
+    newest = doc.get("newest") if isinstance(doc, dict) else None
+    return newest if isinstance(newest, str) else None
+
+
 def active_writer(storage: Storage) -> int | None:
     """The generation holding the root, or None when the newest one released it (or none
     ever took it)."""
@@ -93,8 +103,12 @@ class Lease:
                 "not committed, and no save of this writer ever will be; stop this process."
             )
 
-    def release(self) -> None:
-        self.storage.put(f"{_REL}{self.generation:012d}", b"{}")
+    def release(self, newest: str | None = None) -> None:
+        """Release the root, naming the newest snapshot this writer committed: a collector that
+        then lists the root must find it, or its listing is stale (eventual consistency) and it
+        must not decide what is garbage from it."""
+        body = json.dumps({"newest": newest, "time": time.time()}).encode()
+        self.storage.put(f"{_REL}{self.generation:012d}", body)
 
 
 # -- the restart log ------------------------------------------------------------------------------

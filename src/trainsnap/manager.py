@@ -107,6 +107,7 @@ class CheckpointManager:
         self._step_times: deque[float] = deque(maxlen=200)
         self._handles: list[SaveHandle] = []
         self._lease: lease.Lease | None = None
+        self._newest_committed: str | None = None
         self.observed_mtbf: float | None = None
         if self.comm.is_coordinator:
             self._start()
@@ -277,6 +278,7 @@ class CheckpointManager:
     def _after_commit(self, manifest: Manifest) -> None:
         """(coordinator, after each commit) record, apply retention, collect."""
         assert self._lease is not None
+        self._newest_committed = manifest.snapshot_id
         lease.record(
             self.storage, self._lease.generation, "save", snapshot=manifest.snapshot_id,
             step=manifest.step, nbytes=manifest.nbytes,
@@ -313,7 +315,7 @@ class CheckpointManager:
             self._restore_signals()
             if self._lease is not None:
                 lease.record(self.storage, self._lease.generation, "close")
-                self._lease.release()
+                self._lease.release(newest=self._newest_committed)
 
     def __enter__(self) -> CheckpointManager:
         return self

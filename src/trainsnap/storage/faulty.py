@@ -101,6 +101,8 @@ class FaultyStorage:
             self._count("vanish")
             raise FileNotFoundError(errno.ENOENT, f"root {self.url} is gone ({op})")
         if self.plan.latency > 0:
+            if not self.injected.get("latency"):
+                self._count("latency")  # one fault (a slow root), however many operations
             time.sleep(self.plan.latency)
         if self._chance(self.plan.timeout):
             self._count("timeout")
