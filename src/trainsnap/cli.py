@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -33,7 +35,11 @@ from rich.text import Text
 
 from . import commit, gc, lease
 from ._version import __version__
-from .errors import IncompleteError, NotFoundError, TrainsnapError
+from .diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff, diff_snapshots
+from .diff import summary as diff_summary
+from .errors import IncompleteError, InvalidArgumentError, NotFoundError, TrainsnapError
+from .export import DEFAULT_MAX_SHARD_SIZE, parse_dtype, parse_size, plan_export, write_export
+from .importdcp import import_dcp
 from .manifest import Manifest, check_snapshot_id
 from .policy import daly_interval, parse_duration, young_interval
 from .snapshot import SnapshotInfo, resolve
@@ -558,6 +564,153 @@ def interval_command(
     _say(f"cost {c:g} s, MTBF {m:g} s")
     _say(f"Young: {young_interval(c, m):.1f} s ({young_interval(c, m) / 60:.2f} min)")
     _say(f"Daly:  {daly_interval(c, m):.1f} s ({daly_interval(c, m) / 60:.2f} min)")
+
+
+# -- export, import-dcp, diff --------------------------------------------------------------------
+
+
+@contextmanager
+def _bar(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A byte progress bar on stderr for operations that learn their total as they go: each
+    advance carries it (export and diff know it once planned, import once laid out)."""
+    columns = (
+        TextColumn(what),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda n, total: bar.update(task, total=total, advance=n)
+
+
+IdArg = Annotated[str, typer.Argument(metavar="ID", help="A snapshot id, or 'latest'.")]
+
+
+@app.command("export")
+@_reports_errors
+def export_command(
+    root: RootArg,
+    snapshot_id: IdArg,
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="Directory to write to (created if needed).")
+    ],
+    fmt: Annotated[str, typer.Option("--format", help="Output format: safetensors.")],
+    dtype: Annotated[
+        str | None, typer.Option(help="Convert floating tensors to bf16, fp16 or fp32.")
+    ] = None,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest file, e.g. 2GB, 500MB (powers of ten) or 1GiB.")
+    ] = DEFAULT_MAX_SHARD_SIZE,
+    prefix: Annotated[
+        str,
+        typer.Option(help="Export the tensors whose keys start with this, without it ('' = all)."),
+    ] = "model.",
+) -> None:
+    """Export a snapshot's model weights as Hugging Face safetensors, streamed (bounded memory)."""
+    if fmt.lower() != "safetensors":
+        raise InvalidArgumentError(f"--format {fmt!r} is not supported; use --format safetensors")
+    storage = open_storage(root)
+    m = commit.open_snapshot(storage, resolve(storage, snapshot_id))
+    plan = plan_export(
+        m, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size), prefix=prefix
+    )
+    with _bar("exporting") as progress:
+        path = write_export(storage, m, plan, out, progress=progress)
+    ntensors = sum(len(f.tensors) for f in plan.files)
+    _say(
+        f"exported {ntensors} tensor(s), {_human(plan.total_size)}, of snapshot {m.snapshot_id} "
+        f"to {path}" + (f" ({len(plan.files)} files)" if plan.sharded else "")
+    )
+    if plan.skipped:
+        _say(
+            f"note: skipped {len(plan.skipped)} rank-scoped tensor(s) (each rank's own, no single "
+            f"value): {', '.join(plan.skipped[:5])}" + (" ..." if len(plan.skipped) > 5 else "")
+        )
+
+
+@app.command("import-dcp")
+@_reports_errors
+def import_dcp_command(
+    dcp_dir: Annotated[
+        Path,
+        typer.Argument(metavar="DCP_DIR", help="A directory written by torch's dcp.save."),
+    ],
+    root: RootArg,
+    step: Annotated[int, typer.Option(min=0, help="The step the snapshot records.")] = 0,
+) -> None:
+    """Import a torch.distributed.checkpoint directory as a committed snapshot of ROOT."""
+    with _bar("importing") as progress:
+        info = import_dcp(dcp_dir, root, step=step, progress=progress)
+    m = commit.open_snapshot(open_storage(root), info.id)
+    _say(
+        f"imported {dcp_dir} as snapshot {info.id} (step {info.step}): "
+        f"{len(m.tensor_keys)} tensor(s), {len(m.value_keys)} value(s), {_human(info.nbytes)}"
+    )
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+_DIFF_GROUP = {CHANGED: 0, RETYPED: 0, RESHAPED: 1, ADDED: 2, REMOVED: 3, UNCHANGED: 4}
+
+
+def _diff_order(d: TensorDiff) -> tuple[int, float, str, int]:
+    """Largest relative change first (NaN and inf on top: they are what one looks for), then
+    reshaped, added, removed, unchanged."""
+    rel = d.rel_norm
+    weight = math.inf if rel is None or math.isnan(rel) else rel
+    return (_DIFF_GROUP[d.status], -weight, d.key, d.rank)
+
+
+def _diff_table(title: str, diffs: Sequence[TensorDiff]) -> Table:
+    table = _table(title)
+    for name in ("key", "status", "dtype", "shape", "max |a-b|", "|a-b|/|a|"):
+        right = name.startswith(("max", "|"))
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for d in diffs:
+        da, db = d.dtype_a or d.dtype_b or "-", d.dtype_b or d.dtype_a or "-"
+        sa, sb = d.shape_a or d.shape_b or (), d.shape_b or d.shape_a or ()
+        table.add_row(
+            Text(d.label),
+            d.status,
+            da if da == db else f"{da} -> {db}",
+            _shape(sa) if sa == sb else f"{_shape(sa)} -> {_shape(sb)}",
+            _num(d.max_abs),
+            _num(d.rel_norm),
+        )
+    return table
+
+
+@app.command("diff")
+@_reports_errors
+def diff_command(
+    root: RootArg,
+    a: Annotated[str, typer.Argument(metavar="A", help="The older snapshot id, or 'latest'.")],
+    b: Annotated[str, typer.Argument(metavar="B", help="The newer snapshot id, or 'latest'.")],
+    show_all: Annotated[bool, typer.Option("--all", help="List unchanged tensors too.")] = False,
+) -> None:
+    """Which tensors changed from snapshot A to B, and by how much (streamed, in float64)."""
+    storage = open_storage(root)
+    ida, idb = resolve(storage, a), resolve(storage, b)
+    with _bar("comparing") as progress:
+        diffs = diff_snapshots(storage, ida, idb, progress=progress)
+    shown = sorted((d for d in diffs if show_all or d.status != UNCHANGED), key=_diff_order)
+    if shown:
+        _out().print(_diff_table(f"{ida} -> {idb}", shown))
+    counts = diff_summary(diffs)
+    parts = [f"{counts[s]} {s}" for s in (CHANGED, UNCHANGED, ADDED, REMOVED)]
+    parts += [f"{counts[s]} {s}" for s in (RETYPED, RESHAPED) if counts[s]]
+    unread = sum(1 for d in diffs if d.status == UNCHANGED and not d.read)
+    _say(
+        f"{len(diffs)} tensor(s): "
+        + ", ".join(parts)
+        + (f"; {unread} unchanged known from shared objects without reading" if unread else "")
+    )
+    if not show_all and counts[UNCHANGED]:
+        _say(f"({counts[UNCHANGED]} unchanged tensor(s) not listed; --all lists them)")
 
 
 # -- demo and entry point -------------------------------------------------------------------------
