@@ -173,11 +173,43 @@ def test_verify_unknown_id_is_an_error(root: Path, sid: str) -> None:
     assert res.stdout == ""
 
 
-def test_demo_says_what_works() -> None:
-    res = run("demo")
-    assert res.exit_code == 0
-    assert "not available yet" in res.stdout
-    assert "trainsnap verify" in res.stdout
+@pytest.mark.slow
+def test_demo_crashes_resumes_on_another_topology_and_passes(tmp_path: Path) -> None:
+    png = tmp_path / "loss.png"
+    cmd = [sys.executable, "-m", "trainsnap.cli", "demo", "--steps", "24",
+           "--root", str(tmp_path / "run"), "--plot", str(png)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: the run continued the same trajectory" in out.stdout
+    assert "SIGKILLed while writing the save of step 16" in out.stdout
+    assert "at level 'strict'" in out.stdout and "all blocks ok" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert trainsnap.verify(tmp_path / "run").ok
+
+
+def test_demo_judge_fails_a_run_that_did_not_continue() -> None:
+    from trainsnap.demo import Phase, _judge
+
+    def rows(losses: dict[int, float], ids: dict[int, list[int]]) -> list[dict]:
+        return [{"event": "step", "step": s, "loss": v, "ids": ids[s]} for s, v in losses.items()]
+
+    ref = Phase("reference", 2, 2, "r")
+    ref.rows = rows({s: 5.0 - s / 10 for s in range(8)}, {s: [s] for s in range(8)})
+    crash = Phase("crashed", 2, 2, "c", crash_at=6)
+    crash.rows = rows({s: 5.0 - s / 10 for s in range(6)}, {s: [s] for s in range(6)})
+    good = Phase("resumed", 2, 1, "c")
+    good.rows = [{"event": "restore", "step": 3, "level": "strict"}, *rows(
+        {s: 5.0 - s / 10 for s in range(4, 8)}, {s: [s] for s in range(4, 8)})]  # fmt: skip
+    assert _judge(ref, crash, good).ok
+    skipped = Phase("resumed", 2, 1, "c")
+    skipped.rows = [good.rows[0], *rows({s: 5.0 - s / 10 for s in range(4, 8)},
+                                       {s: [s + 1] for s in range(4, 8)})]  # fmt: skip
+    assert not _judge(ref, crash, skipped).ok
+    drifted = Phase("resumed", 2, 1, "c")
+    drifted.rows = [good.rows[0], *rows({s: 5.1 - s / 10 for s in range(4, 8)},
+                                       {s: [s] for s in range(4, 8)})]  # fmt: skip
+    verdict = _judge(ref, crash, drifted)
+    assert not verdict.ok and verdict.max_rel > 1e-3
 
 
 def test_module_entry_point_reports_errors_without_traceback(root: Path) -> None:

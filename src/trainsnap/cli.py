@@ -1,4 +1,5 @@
-"""The ``trainsnap`` command: list, inspect and verify the snapshots of a root.
+"""The ``trainsnap`` command: list, inspect, verify, collect, compare, export and import the
+snapshots of a root, and run the demo.
 
 This is the only module that prints. Output meant for people goes to stdout (tables, verdicts)
 and stderr (progress, errors); ``show --json`` is for programs. Exit status: 0 when all is well,
@@ -59,7 +60,7 @@ MAX_SHARDS_SHOWN = 3
 
 app = typer.Typer(
     name="trainsnap",
-    help="List, inspect and verify trainsnap snapshots.",
+    help="Crash-consistent, reshardable, verifiable snapshots of PyTorch training state.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -715,21 +716,24 @@ def diff_command(
 
 # -- demo and entry point -------------------------------------------------------------------------
 
-DEMO_TEXT = """\
-The trainsnap demo (multi-process training that crashes, then resumes on another topology) is
-not available yet.
-
-What works today:
-  Python API   trainsnap.save, trainsnap.load, trainsnap.list_snapshots, trainsnap.verify
-  commands     trainsnap ls ROOT [--verify]   committed snapshots of a root
-               trainsnap show ROOT ID         what one snapshot holds (--json for programs)
-               trainsnap verify ROOT [ID]     re-read and check every byte"""
-
-
 @app.command("demo")
-def demo_command() -> None:
-    """Explain what the demo will show and what already works."""
-    _say(DEMO_TEXT)
+def demo_command(
+    root: Annotated[
+        str | None,
+        typer.Option(help="Where the run keeps its snapshots (default ./trainsnap-demo)."),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 60,
+    plot: Annotated[
+        str | None, typer.Option(help="Also draw the loss curves into this PNG file.")
+    ] = None,
+) -> None:
+    """Train on 4 processes (data x tensor parallel), crash one rank in the middle of a save,
+    resume on 2 processes, and prove the run continued the same trajectory."""
+    from .demo import run_demo
+
+    code = run_demo(root, steps, plot)
+    if code:
+        raise typer.Exit(code)
 
 
 def _version(value: bool) -> None:
@@ -745,7 +749,7 @@ def _main(
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
-    """List, inspect and verify trainsnap snapshots."""
+    """Crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
 
 
 def main() -> None:
