@@ -127,7 +127,7 @@ def test_newest_snapshot_corrupted_restore_falls_back_and_says_why(tmp_path, cap
         info = mgr2.restore(fresh)
     assert info is not None and info.step == 0 and fresh["step"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any(newest.id in w and "trying an older one" in w and "checksum" in w for w in warnings)
+    assert any(newest.id in w and "trying the next" in w and "checksum" in w for w in warnings)
 
 
 def test_a_state_that_does_not_fit_is_not_hidden_by_fallback(tmp_path):

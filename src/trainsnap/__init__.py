@@ -1,6 +1,6 @@
 """trainsnap: crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
 
-from . import data, rng, trace
+from . import data, rng, tier, trace
 from ._version import __version__
 from .asyncsave import AsyncSaver, SaveHandle
 from .capture import Sharded
@@ -60,6 +60,7 @@ __all__ = [
     "load",
     "open_storage",
     "rng",
+    "tier",
     "trace",
     "save",
     "verify",

@@ -716,6 +716,7 @@ def diff_command(
 
 # -- demo and entry point -------------------------------------------------------------------------
 
+
 @app.command("demo")
 def demo_command(
     root: Annotated[

@@ -252,15 +252,17 @@ def _finish(p: PendingSave) -> SaveResult:
     pause = p.pause if p.lease is not None else dt
     if comm.is_coordinator:
         s = outcome.manifest_summary
+        referenced, new = int(s["nbytes"]), int(s["bytes_new"])
         log.info(
-            "saved snapshot %s step=%d bytes=%d written=%d ranks=%d pause=%.3f drain=%.3f "
-            "seconds=%.3f MBps=%.1f root=%s",
-            sid, opts.step, s["nbytes"], s["bytes_new"], comm.world_size, pause,
-            dt - pause, dt, s["nbytes"] / max(dt, 1e-9) / 1e6, p.storage.url,
+            "saved snapshot %s step=%d bytes=%d written=%d reused=%d dedup=%.1f%% ranks=%d "
+            "pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
+            sid, opts.step, referenced, new, referenced - new,
+            100.0 * (referenced - new) / max(referenced, 1), comm.world_size, pause,
+            dt - pause, dt, referenced / max(dt, 1e-9) / 1e6, p.storage.url,
         )  # fmt: skip
     if manifest is not None and opts.on_commit is not None:
         try:
-            opts.on_commit(manifest)
+            opts.on_commit(manifest, int(outcome.manifest_summary.get("bytes_new", 0)))
         except Exception:  # housekeeping must not turn a committed save into a failure
             log.exception("post-commit housekeeping of snapshot %s failed", sid)
     return SaveResult(manifest, outcome, report.bytes_new, dt, pause)

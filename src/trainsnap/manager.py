@@ -14,6 +14,12 @@ once and shared, so ranks never disagree about whether a step saves:
 After each committed save the coordinator applies the retention policies (the newest snapshot
 and saves in flight are never deleted; deleting removes the marker first) and collects objects
 no snapshot references, with a grace period for saves in flight.
+
+Tiers: with ``local_root``, frequent snapshots (``local_interval``) go to a fast local tier and
+durable ones (``interval``, preemption) are saved there too and then promoted to ``root`` in the
+background (objects, manifest, marker). Restore takes the newest snapshot that loads, whichever
+tier holds it, and falls back snapshot by snapshot and tier by tier. Only snapshots on ``root``
+count as durable (:attr:`CheckpointManager.durable_step`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import commit, gc, lease
@@ -38,14 +46,25 @@ from .errors import (
     InvalidArgumentError,
     TrainsnapError,
 )
-from .manifest import Manifest
-from .policy import Candidate, StepInfo, as_retention, as_save_policies, to_delete
+from .manifest import Manifest, level_rank
+from .policy import (
+    Candidate,
+    KeepLast,
+    Retention,
+    StepInfo,
+    as_retention,
+    as_save_policies,
+    to_delete,
+)
 from .snapshot import Root, SnapshotInfo, _comm, load, save_options
-from .storage import open_storage
+from .storage import Storage, open_storage
+from .tier import NodeTier, promote
+from .trainstate import TrainState
 
 log = logging.getLogger("trainsnap.manager")
 
 _manager_seq = itertools.count(1)
+_LOCAL_KEEP = KeepLast(2)
 
 
 class CheckpointManager:
@@ -67,6 +86,15 @@ class CheckpointManager:
             reference it); should exceed the longest save.
         preemption_signals: signals that request a save at the next step (handlers chain to
             the previous ones); ``()`` installs none.
+        local_root: a fast local tier: one root, or one root per node (``[node0, node1, ...]``)
+            of which this process uses ``node`` (default: ``NODE_RANK`` or ``GROUP_RANK``).
+        local_interval: when to save to the local tier only (same forms as ``interval``).
+        local_retention: what the local tier keeps (default ``KeepLast(2)``).
+        partner: with per-node local roots, also keep each node's objects on the next node, so
+            the local tier survives the loss of one node.
+        weights_interval: when to save the model alone (a ``weights``-level snapshot) between
+            full saves.
+        chunk_size: object size of large tensors; smaller gives finer incremental snapshots.
         coordinator, timeout, storage_options: as for ``ts.save``.
     """
 
@@ -85,10 +113,27 @@ class CheckpointManager:
         coordinator: int = 0,
         timeout: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        local_root: Root | Sequence[Root] | None = None,
+        local_interval: Any = None,
+        local_retention: Any = _LOCAL_KEEP,
+        partner: bool = True,
+        node: int | None = None,
+        weights_interval: Any = None,
+        chunk_size: int | None = None,
     ) -> None:
         self.storage = open_storage(root, **dict(storage_options or {}))
         self.policies = as_save_policies(interval)
+        self.local_policies = as_save_policies(local_interval)
+        self.weights_policies = as_save_policies(weights_interval)
         self.retention = as_retention(retention)
+        self.chunk_size = chunk_size
+        self.durable = _Tier("durable", self.storage, self.retention)
+        self.local: _Tier | None = None
+        if local_root is not None:
+            local = _open_local(local_root, node, partner, storage_options)
+            self.local = _Tier("local", local, as_retention(local_retention))
+        elif self.local_policies:
+            raise InvalidArgumentError("local_interval= needs a local_root= to save to")
         self.async_save = async_save
         self.gc_grace = gc_grace
         self._coordinator, self._timeout = coordinator, timeout
@@ -106,8 +151,8 @@ class CheckpointManager:
         self._save_costs: deque[float] = deque(maxlen=20)
         self._step_times: deque[float] = deque(maxlen=200)
         self._handles: list[SaveHandle] = []
-        self._lease: lease.Lease | None = None
-        self._newest_committed: str | None = None
+        self.last_save_bytes: tuple[int, int] | None = None
+        """(bytes referenced, bytes written) of the newest save committed by this manager."""
         self.observed_mtbf: float | None = None
         if self.comm.is_coordinator:
             self._start()
@@ -116,12 +161,15 @@ class CheckpointManager:
     # -- start, restore -------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._lease = lease.Lease.take(self.storage)
+        for tier in self._tiers():
+            tier.start()
+        gen = self.generation
+        assert gen is not None
         evs = lease.events(self.storage)
-        crashed = lease.last_generation_crashed(evs, self._lease.generation)
+        crashed = lease.last_generation_crashed(evs, gen)
         if crashed is not None:
             lease.record(
-                self.storage, self._lease.generation, "crash_detected",
+                self.storage, gen, "crash_detected",
                 previous_generation=crashed["generation"], last_event=crashed["kind"],
                 last_time=crashed["time"],
             )  # fmt: skip
@@ -129,47 +177,71 @@ class CheckpointManager:
                 "the previous job on %s (generation %s) ended without closing: crash after its "
                 "%r event", self.storage.url, crashed["generation"], crashed["kind"],
             )  # fmt: skip
-        lease.record(self.storage, self._lease.generation, "start")
+        lease.record(self.storage, gen, "start")
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
+
+    def _tiers(self) -> list[_Tier]:
+        return [self.durable] if self.local is None else [self.local, self.durable]
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        if self.comm.is_coordinator and self.generation is not None:
+            lease.record(self.storage, self.generation, kind, **fields)
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step committed on the durable root (``root``); a snapshot only on the
+        local tier does not protect against losing the node."""
+        found = commit.list_committed(self.storage)
+        return found[-1].step if found else None
+
+    def tiers(self) -> dict[str, list[str]]:
+        """Which tiers hold each committed snapshot, by id."""
+        out: dict[str, list[str]] = {}
+        for tier in self._tiers():
+            for c in commit.list_committed(tier.storage):
+                out.setdefault(c.snapshot_id, []).append(tier.name)
+        return out
 
     @property
     def generation(self) -> int | None:
-        return self._lease.generation if self._lease else None
+        """The durable root's writer generation held by this job (coordinator only)."""
+        return self.durable.lease.generation if self.durable.lease else None
 
     def restore(
         self, state: Any, level: str = "strict", *, allow_downgrade: bool = False
     ) -> SnapshotInfo | None:
-        """Restore the newest committed snapshot that verifies; fall back to older ones when it
-        is damaged (saying why). None when the root holds none."""
-        ids = self._candidates()
-        for sid in ids:
-            try:
-                info = load(
-                    state, self.storage, snapshot=sid, level=level,
-                    allow_downgrade=allow_downgrade, coordinator=self._coordinator,
-                    timeout=self._timeout,
-                )  # fmt: skip
-            except TrainsnapError as e:
-                if not self._agree_fallback(e):
-                    raise
-                log.warning("snapshot %s cannot be restored, trying an older one: %s", sid, e)
-                if self.comm.is_coordinator and self._lease is not None:
-                    lease.record(
-                        self.storage, self._lease.generation, "restore_failed",
-                        snapshot=sid, error=str(e)[:500],
+        """Restore the newest committed snapshot that loads, whichever tier holds it; fall back
+        to older ones (and from the local tier to the durable one) when it is damaged, saying
+        why. Snapshots that cannot give ``level`` (a weights-only save) are passed over unless
+        ``allow_downgrade``. None when no tier holds any."""
+        candidates = self._candidates(state, level, allow_downgrade)
+        for sid, tier_names in candidates:
+            for name in tier_names:
+                tier = self.local if name == "local" and self.local else self.durable
+                try:
+                    info = load(
+                        state, tier.storage, snapshot=sid, level=level,
+                        allow_downgrade=allow_downgrade, coordinator=self._coordinator,
+                        timeout=self._timeout,
                     )  # fmt: skip
-                continue
-            self._last_save_step, self._last_save_time = info.step, time.monotonic()
-            if self.comm.is_coordinator and self._lease is not None:
-                lease.record(
-                    self.storage, self._lease.generation, "restore", snapshot=info.id,
-                    step=info.step, level=info.level,
-                )  # fmt: skip
-            return info
-        if ids:
+                except TrainsnapError as e:
+                    if not self._agree_fallback(e):
+                        raise
+                    log.warning(
+                        "snapshot %s on the %s tier cannot be restored, trying the next: %s",
+                        sid, name, e,
+                    )  # fmt: skip
+                    self._record("restore_failed", snapshot=sid, tier=name, error=str(e)[:500])
+                    continue
+                self._last_save_step, self._last_save_time = info.step, time.monotonic()
+                self._record("restore", snapshot=info.id, step=info.step, level=info.level,
+                             tier=name)  # fmt: skip
+                return info
+        if candidates:
             raise TrainsnapError(
-                f"none of the {len(ids)} committed snapshots of {self.storage.url} could be "
-                "restored; see the warnings above for each one's damage"
+                f"none of the {len(candidates)} committed snapshots of "
+                f"{[t.storage.url for t in self._tiers()]} could be restored; see the warnings "
+                "above for each one's damage"
             )
         return None
 
@@ -187,14 +259,30 @@ class CheckpointManager:
         finally:
             session.close()
 
-    def _candidates(self) -> list[str]:
-        """Newest first, decided by the coordinator so every rank tries the same sequence."""
+    def _candidates(
+        self, state: Any, level: str, allow_downgrade: bool
+    ) -> list[tuple[str, list[str]]]:
+        """(id, tiers holding it) newest first, decided by the coordinator so every rank tries
+        the same sequence."""
         session = self.comm.session("restore")
         try:
-            ids = None
+            found = None
             if self.comm.is_coordinator:
-                ids = [c.snapshot_id for c in reversed(commit.list_committed(self.storage))]
-            return list(session.broadcast("candidates", ids))
+                by_id: dict[str, tuple[tuple[int, str], list[str]]] = {}
+                for tier in self._tiers():
+                    for c in commit.list_committed(tier.storage):
+                        if (
+                            isinstance(state, TrainState)
+                            and not allow_downgrade
+                            and level_rank(str(c.marker.summary.get("level", "weights")))
+                            < level_rank(level)
+                        ):
+                            continue  # cannot give the level asked (e.g. a weights-only save)
+                        key = (c.step, str(c.marker.summary.get("created", "")))
+                        by_id.setdefault(c.snapshot_id, (key, []))[1].append(tier.name)
+                ordered = sorted(by_id.items(), key=lambda kv: kv[1][0], reverse=True)
+                found = [(sid, names) for sid, (_, names) in ordered]
+            return list(session.broadcast("candidates", found))
         finally:
             session.close()
 
@@ -213,25 +301,34 @@ class CheckpointManager:
             last_save_time=self._last_save_time, save_costs=tuple(self._save_costs),
             step_times=tuple(self._step_times), mtbf_observed=self.observed_mtbf,
         )  # fmt: skip
-        local = any(p.should_save(info) for p in self.policies if not p.shared)
         # Publish decisions for the next step: the coordinator's shared policies, and a
         # preemption signalled on this rank.
         at = step if self.comm.world_size == 1 else step + 1
-        if self.comm.is_coordinator and any(p.should_save(info) for p in self.policies if p.shared):
-            self._decisions.publish(at, "policy")
+        kinds = (("durable", self.policies), ("local", self.local_policies),
+                 ("weights", self.weights_policies))  # fmt: skip
+        local = {k for k, ps in kinds if any(p.should_save(info) for p in ps if not p.shared)}
+        if self.comm.is_coordinator:
+            for k, ps in kinds:
+                if any(p.should_save(info) for p in ps if p.shared):
+                    self._decisions.publish(at, k)
         if self._preempt_flag.is_set():
             self._preempt_flag.clear()
             self._decisions.publish(at, "preempt")
-        reason = self._decisions.take(step)
-        if not (local or reason):
+        wanted = local | self._decisions.take(step)
+        if not wanted:
             return False
-        handle = self.save(step, state, metrics=metrics)
-        if reason == "preempt":
+        preempt = "preempt" in wanted
+        if preempt or "durable" in wanted:
+            handle = self.save(step, state, metrics=metrics)
+        elif "local" in wanted:
+            handle = self.save(step, state, metrics=metrics, tier="local")
+        else:
+            handle = self.save(step, state, metrics=metrics, parts=("model",))
+        if preempt:
             self.preempted = True
             if isinstance(handle, SaveHandle):
                 handle.wait()  # a preempted job must not exit before its save is durable
-            if self.comm.is_coordinator and self._lease is not None:
-                lease.record(self.storage, self._lease.generation, "preempt", step=step)
+            self._record("preempt", step=step)
         return handle is not None
 
     def save(
@@ -241,63 +338,80 @@ class CheckpointManager:
         *,
         metrics: Mapping[str, float] | None = None,
         tags: Sequence[str] = (),
+        tier: str = "durable",
+        parts: Sequence[str] | None = None,
     ) -> SaveHandle | SnapshotInfo | None:
-        """Save now (asynchronously if the manager is). ``tags`` pin the snapshot."""
+        """Save now (asynchronously if the manager is). ``tags`` pin the snapshot; ``tier``
+        "local" saves to the local tier only; ``parts`` saves only those parts of a
+        :class:`TrainState` (e.g. ``("model",)``), and the snapshot says which level it gives.
+        A durable save with a local tier is saved locally, then promoted to the durable root."""
         self._check_open()
+        if tier not in ("durable", "local"):
+            raise InvalidArgumentError(f"tier must be 'durable' or 'local', got {tier!r}")
+        if tier == "local" and self.local is None:
+            raise InvalidArgumentError("tier='local' needs a local_root= on the manager")
         meta: dict[str, Any] = {}
         if metrics:
             meta["metrics"] = {str(k): float(v) for k, v in metrics.items()}
         if tags:
             meta["tags"] = [str(t) for t in tags]
-        tree, opts = save_options(state, step=step, meta=meta)
-        opts.fence = self._lease.check if self._lease is not None else None
-        opts.on_commit = self._after_commit if self.comm.is_coordinator else None
+        tree, opts = save_options(state, step=step, meta=meta, parts=parts)
+        opts.chunk_size = self.chunk_size
+        target = self.local if self.local is not None else self.durable
+        promote_to = self.durable if (tier == "durable" and self.local is not None) else None
+        opts.fence = target.fence if self.comm.is_coordinator else None
+        if self.comm.is_coordinator:
+            opts.on_commit = lambda m, n: self._after_commit(target, promote_to, m, n)
         t0 = time.perf_counter()
         result: SaveHandle | SnapshotInfo | None
         if self.async_save:
-            result = self.saver.save(tree, self.storage, opts, self.comm)
+            result = self.saver.save(tree, target.storage, opts, self.comm)
             if result is not None:
                 self._handles.append(result)
                 self._save_costs.append(result.pause)
         else:
             from .collective import run_save
 
-            r = run_save(tree, self.storage, opts, self.comm)
+            r = run_save(tree, target.storage, opts, self.comm)
             self._save_costs.append(time.perf_counter() - t0)
             result = (
-                SnapshotInfo.from_manifest(r.manifest, self.storage.url)
+                SnapshotInfo.from_manifest(r.manifest, target.storage.url)
                 if r.manifest is not None
                 else SnapshotInfo.from_summary(
-                    r.outcome.snapshot_id, r.outcome.manifest_summary, self.storage.url
+                    r.outcome.snapshot_id, r.outcome.manifest_summary, target.storage.url
                 )
             )
         if result is not None:
             self._last_save_step, self._last_save_time = step, time.monotonic()
         return result
 
-    def _after_commit(self, manifest: Manifest) -> None:
-        """(coordinator, after each commit) record, apply retention, collect."""
-        assert self._lease is not None
-        self._newest_committed = manifest.snapshot_id
-        lease.record(
-            self.storage, self._lease.generation, "save", snapshot=manifest.snapshot_id,
-            step=manifest.step, nbytes=manifest.nbytes,
+    def _after_commit(
+        self, tier: _Tier, promote_to: _Tier | None, manifest: Manifest, bytes_written: int
+    ) -> None:
+        """(coordinator, after each commit) record, promote, apply retention, collect."""
+        tier.newest, tier.newest_step = manifest.snapshot_id, manifest.step
+        self.last_save_bytes = (manifest.nbytes, bytes_written)
+        self._record(
+            "save", snapshot=manifest.snapshot_id, step=manifest.step, nbytes=manifest.nbytes,
+            bytes_written=bytes_written, level=manifest.level, tier=tier.name,
         )  # fmt: skip
-        self.apply_retention()
-        if self.saver.in_flight() <= 1:  # only this save, finishing now: nothing else in flight
-            gc.collect(self.storage, grace=self.gc_grace)
+        touched = [tier]
+        if promote_to is not None:
+            copied = promote(tier.storage, promote_to.storage, manifest.snapshot_id,
+                             fence=promote_to.fence)  # fmt: skip
+            promote_to.newest, promote_to.newest_step = manifest.snapshot_id, manifest.step
+            self._record("promote", snapshot=manifest.snapshot_id, step=manifest.step,
+                         bytes_copied=copied)  # fmt: skip
+            touched.append(promote_to)
+        for t in touched:
+            t.apply_retention()
+            if self.saver.in_flight() <= 1:  # only this save, finishing now
+                gc.collect(t.storage, grace=self.gc_grace)
 
     def apply_retention(self) -> list[str]:
-        """Delete the committed snapshots no retention policy keeps (never the newest)."""
-        if not self.retention:
-            return []
-        cands = [_candidate(c) for c in commit.list_committed(self.storage)]
-        doomed = to_delete(cands, self.retention, protected=set())
-        for c in doomed:
-            gc.delete_snapshot(self.storage, c.id)
-        if doomed:
-            log.info("retention deleted %d snapshot(s): %s", len(doomed), [c.step for c in doomed])
-        return [c.id for c in doomed]
+        """Delete the committed snapshots no retention policy keeps (never the newest), on
+        every tier."""
+        return [sid for t in self._tiers() for sid in t.apply_retention()]
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error if it failed."""
@@ -313,9 +427,10 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._restore_signals()
-            if self._lease is not None:
-                lease.record(self.storage, self._lease.generation, "close")
-                self._lease.release(newest=self._newest_committed)
+            if self.comm.is_coordinator and self.generation is not None:
+                self._record("close")
+                for tier in self._tiers():
+                    tier.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -357,33 +472,83 @@ def _candidate(c: commit.Committed) -> Candidate:
     return Candidate(c.snapshot_id, c.step, dict(s.get("metrics", {})), tuple(s.get("tags", ())))
 
 
+@dataclass(slots=True)
+class _Tier:
+    """One root the manager writes: its storage, lease, retention and newest snapshot."""
+
+    name: str
+    storage: Storage
+    retention: list[Retention]
+    lease: lease.Lease | None = None
+    newest: str | None = None
+    newest_step: int | None = None
+
+    def start(self) -> None:
+        self.lease = lease.Lease.take(self.storage)
+        found = commit.list_committed(self.storage)
+        if found:
+            self.newest_step = found[-1].step
+
+    def fence(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def apply_retention(self) -> list[str]:
+        if not self.retention:
+            return []
+        cands = [_candidate(c) for c in commit.list_committed(self.storage)]
+        doomed = to_delete(cands, self.retention, protected=set())
+        for c in doomed:
+            gc.delete_snapshot(self.storage, c.id)
+        if doomed:
+            log.info(
+                "retention deleted %d snapshot(s) from %s: steps %s",
+                len(doomed), self.name, [c.step for c in doomed],
+            )  # fmt: skip
+        return [c.id for c in doomed]
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release(newest=self.newest)
+
+
 class _Decisions:
-    """Step-keyed decisions on the control plane: ``decide/<step>`` exists when every rank must
-    save at that step (see the module docstring for why step + 1)."""
+    """Step-keyed decisions on the control plane: ``decide/<step>/<kind>`` exists when every
+    rank must save (that kind of save) at that step (see the module docstring for why s + 1)."""
+
+    KINDS = ("preempt", "durable", "local", "weights")
 
     def __init__(self, comm: Comm, seq: int) -> None:
         self.comm = comm
-        self.local: dict[int, str] = {}
+        self.local: dict[int, set[str]] = {}
         self.store = comm.store if isinstance(comm, StoreComm) else None
         self.prefix = f"trainsnap/manager-{seq}/decide"
 
-    def publish(self, step: int, reason: str) -> None:
+    def publish(self, step: int, kind: str) -> None:
         if self.store is None:
-            self.local.setdefault(step, reason)
+            self.local.setdefault(step, set()).add(kind)
             return
-        key = f"{self.prefix}/{step}"
-        # The first reason wins; preemption outranks a policy for the log only.
-        self.store.compare_set(key, "", reason)
+        self.store.set(f"{self.prefix}/{step}/{kind}", b"1")
 
-    def take(self, step: int) -> str | None:
+    def take(self, step: int) -> set[str]:
         if self.store is None:
-            return self.local.pop(step, None)
-        key = f"{self.prefix}/{step}"
-        if not self.store.check([key]):
-            return None
-        reason = str(self.store.get(key).decode())
+            return self.local.pop(step, set())
+        found = {k for k in self.KINDS if self.store.check([f"{self.prefix}/{step}/{k}"])}
         if self.comm.is_coordinator:
-            old = f"{self.prefix}/{step - 16}"  # every rank is long past that step
-            if self.store.check([old]):
-                self.store.delete_key(old)
-        return reason
+            for k in self.KINDS:  # every rank is long past that step
+                old = f"{self.prefix}/{step - 16}/{k}"
+                if self.store.check([old]):
+                    self.store.delete_key(old)
+        return found
+
+
+def _open_local(
+    local_root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
+) -> Storage:
+    """The local tier: one root, or this node's view of one root per node."""
+    if isinstance(local_root, str | os.PathLike) or hasattr(local_root, "put"):
+        return open_storage(local_root, **dict(options or {}))
+    roots = [open_storage(r, **dict(options or {})) for r in local_root]
+    if node is None:
+        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    return open_storage(NodeTier(roots, node, partner=partner))

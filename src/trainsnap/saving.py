@@ -41,10 +41,15 @@ class SaveOptions:
     meta: Mapping[str, Any] = field(default_factory=dict)
     allow_pickle: bool = False
     checksum: str = "xxh3-128"
+    chunk_size: int | None = None
+    """Object size for large tensors (default: the ``chunk_size`` tunable). Smaller chunks make
+    incremental snapshots finer-grained (an unchanged chunk is referenced, not rewritten) at the
+    cost of more objects."""
     fence: Callable[[], None] | None = None
     """Raises when this writer may no longer commit (see :mod:`trainsnap.lease`)."""
-    on_commit: Callable[[Any], None] | None = None
-    """Called on the coordinator with the manifest once committed (retention, collection)."""
+    on_commit: Callable[[Any, int], None] | None = None
+    """Called on the coordinator with the manifest and the bytes written once committed
+    (restart log, retention, collection)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -82,6 +87,7 @@ class Local:
     values: list[Value]
     value_bytes: list[bytes]
     staged: dict[int, tuple[memoryview, torch.Tensor]] = field(default_factory=dict)
+    chunk_size: int | None = None
 
     def payload(self, i: int) -> memoryview:
         if i not in self.staged:
@@ -101,7 +107,7 @@ def describe(state: Any, opts: SaveOptions, hasher: Hasher, *, replica_digests: 
     so a state that cannot be saved fails before anything is written. With several ranks, plain
     tensors are hashed so the plan can tell true replicas from per-rank tensors."""
     cap = capture(state)
-    local = Local(cap, [], [], [])
+    local = Local(cap, [], [], [], chunk_size=opts.chunk_size)
     for i, t in enumerate(cap.tensors):
         dtype = codec.dtype_name(t.local.dtype)
         nbytes = t.region.numel * t.local.element_size()
@@ -144,8 +150,9 @@ def write_assigned(
     payloads: list[memoryview] = [local.payload(i) for i, _ in assignment.entries]
     payloads += [memoryview(local.value_bytes[i]) for i, _ in assignment.values]
     t = tunables.get()
+    chunk = local.chunk_size or t.chunk_size
     layout = layout_objects(
-        [len(p) for p in payloads], chunk_size=t.chunk_size, pack_threshold=t.pack_threshold
+        [len(p) for p in payloads], chunk_size=chunk, pack_threshold=min(t.pack_threshold, chunk)
     )
 
     def task(i: int) -> WrittenObject:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -97,13 +97,15 @@ def save_options(
     meta: Mapping[str, Any] | None = None,
     allow_pickle: bool = False,
     checksum: str = "xxh3-128",
+    parts: Collection[str] | None = None,
 ) -> tuple[Any, SaveOptions]:
     """The tree to save and its options; a :class:`TrainState` gives its tree, kinds, level,
     versions and counters."""
     tree, kinds = state, {}
     user_versions = dict(versions or {})
     if isinstance(state, TrainState):
-        tree, kinds, level = state.save_tree(), state.kinds(), state.offered_level()
+        tree = state.save_tree(parts)
+        kinds, level = state.kinds(parts), state.offered_level(parts)
         user_versions = {**state.versions, **user_versions}
         tokens, samples = state.counters()
         tokens_seen = tokens if tokens_seen is None else tokens_seen

@@ -20,7 +20,7 @@ versions differ; ``allow_downgrade`` continues at the highest level that can be 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +120,8 @@ class TrainState:
         }
         return [p for p in PARTS_BY_LEVEL["strict"] if have[p]]
 
-    def kinds(self) -> dict[str, bool]:
-        p = set(self.parts())
+    def kinds(self, parts: Collection[str] | None = None) -> dict[str, bool]:
+        p = set(self.parts()) if parts is None else set(parts) & set(self.parts())
         return {
             "model": "model" in p,
             "optimizer": "optim" in p,
@@ -132,13 +132,14 @@ class TrainState:
             "extra": "extra" in p,
         }
 
-    def offered_level(self) -> str:
-        """The highest level a snapshot of this state can give."""
-        parts = set(self.parts())
-        if {"rng"} <= parts:
-            return "strict"
-        if parts - {"model"}:
-            return "training"
+    def offered_level(self, parts: Collection[str] | None = None) -> str:
+        """The highest level a snapshot of these parts (default: all) can give: a snapshot
+        states honestly what it can restore to."""
+        mine = set(self.parts())
+        saved = mine if parts is None else set(parts) & mine
+        for level in ("strict", "training"):
+            if {p for p in PARTS_BY_LEVEL[level] if p in mine} <= saved:
+                return level
         return "weights"
 
     def data_cursor(self) -> Any:
@@ -173,27 +174,35 @@ class TrainState:
             return dict(msd), dict(osd)
         return dict(get_model_state_dict(self.model)), None
 
-    def save_tree(self) -> dict[str, Any]:
-        """What a save stores, as a tree of tensors and plain data."""
+    def save_tree(self, parts: Collection[str] | None = None) -> dict[str, Any]:
+        """What a save stores, as a tree of tensors and plain data: every part, or only
+        ``parts`` (e.g. ``{"model"}`` for a weights-only snapshot between full ones)."""
+        want = set(self.parts()) if parts is None else set(parts) & set(self.parts())
         tree: dict[str, Any] = {}
-        if self.model is not None:
-            msd, osd = self._model_and_optim()
-            tree["model"] = msd
-            if osd is not None:
+        if "model" in want:
+            if "optim" in want:
+                msd, osd = self._model_and_optim()
+                assert osd is not None
                 tree["optim"] = osd
                 tree["optim_meta"] = {"stateless": self._stateless(osd)}
-        if self.schedulers:
+            else:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                assert self.model is not None
+                msd = dict(get_model_state_dict(self.model))
+            tree["model"] = msd
+        if "scheduler" in want:
             sds = [s.state_dict() for s in self.schedulers]
             tree["scheduler"] = sds if self.scheduler_is_list else sds[0]
-        if self.scaler is not None:
+        if "scaler" in want:
             tree["scaler"] = self.scaler.state_dict()
-        if self.dataloader is not None:
+        if "data" in want:
             tree["data"] = self.dataloader.state_dict()
-        if self.rng:
+        if "rng" in want:
             tree["rng"] = rng_mod.capture()
-        if self.extra:
+        if "extra" in want:
             tree["extra"] = self.extra
-        if self.grads:
+        if "grads" in want:
             tree["grads"] = self._grads()
         return tree
 

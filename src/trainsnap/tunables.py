@@ -46,6 +46,11 @@ class Tunables:
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
                 f"({self.block_size})"
             )
+        if self.pack_threshold > self.chunk_size:
+            raise InvalidArgumentError(
+                f"pack_threshold ({self.pack_threshold}) must not exceed chunk_size "
+                f"({self.chunk_size}): a packed payload must fit in one object"
+            )
         if self.io_threads < 1:
             raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.read_budget < 2 * self.block_size:

@@ -1,0 +1,158 @@
+"""Tiers: a fast local tier in front of a durable root, promotion, restore across tiers, and a
+local tier that survives losing one node (partner copies)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+import trainsnap as ts
+from harness import assert_all_ok, run_ranks
+from trainsnap import commit
+from trainsnap.storage import open_storage
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(128, 512, generator=g), "step": step}
+
+
+def _blank() -> dict[str, object]:
+    return {"w": torch.zeros(128, 512), "step": None}
+
+
+def _run_two_tiers(local: Path, remote: Path, steps: int) -> ts.CheckpointManager:
+    mgr = ts.CheckpointManager(
+        remote, local_root=local, local_interval=ts.Every(steps=1), interval=ts.Every(steps=5),
+        local_retention=ts.KeepLast(3), async_save=False,
+    )  # fmt: skip
+    for s in range(1, steps + 1):
+        mgr.step(s, _state(s))
+    return mgr
+
+
+def test_local_every_step_remote_every_five(tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    mgr = _run_two_tiers(local, remote, 12)
+    assert mgr.durable_step == 10
+    tiers = mgr.tiers()
+    by_step = {s.step: s.id for s in ts.list_snapshots(local)}
+    assert sorted(by_step) == [10, 11, 12]  # KeepLast(3) on the local tier
+    assert [s.step for s in ts.list_snapshots(remote)] == [5, 10]
+    assert tiers[by_step[10]] == ["local", "durable"] and tiers[by_step[12]] == ["local"]
+    mgr.close()
+    assert ts.verify(remote).ok and ts.verify(local).ok
+    fresh = _blank()
+    with ts.CheckpointManager(remote, local_root=local) as again:
+        info = again.restore(fresh)
+    assert info is not None and info.step == 12 and fresh["step"] == 12
+
+
+def test_losing_the_local_tier_restores_the_newest_durable_snapshot(tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    _run_two_tiers(local, remote, 12).close()
+    shutil.rmtree(local)  # the node is gone
+    fresh = _blank()
+    with ts.CheckpointManager(remote, local_root=local) as again:
+        info = again.restore(fresh)
+    assert info is not None and info.step == 10
+    assert torch.equal(fresh["w"], _state(10)["w"])
+
+
+def test_a_corrupt_newest_local_snapshot_falls_back_to_the_durable_tier(tmp_path, caplog):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    _run_two_tiers(local, remote, 10).close()  # step 10: on both tiers; 8, 9: local only
+    storage = open_storage(local)
+    for s in ts.list_snapshots(local):
+        m = commit.open_snapshot(storage, s.id)
+        for name in m.object_names:  # damage every local copy
+            p = next(local.rglob(name))
+            data = bytearray(p.read_bytes())
+            data[0] ^= 1
+            p.write_bytes(bytes(data))
+    fresh = _blank()
+    with ts.CheckpointManager(remote, local_root=local) as again:
+        info = again.restore(fresh)
+    assert info is not None and info.step == 10 and fresh["step"] == 10
+    assert torch.equal(fresh["w"], _state(10)["w"])
+    assert any("on the local tier cannot be restored" in r.getMessage() for r in caplog.records)
+
+
+def _node_rank(rank: int, world: int, nodes: list[str], remote: str, steps: int) -> int:
+    mgr = ts.CheckpointManager(
+        remote, local_root=nodes, node=rank, partner=True, local_interval=ts.Every(steps=1),
+        interval=ts.Every(steps=100), async_save=False, timeout=60,
+    )  # fmt: skip
+    rows = 128 // world
+    for s in range(1, steps + 1):
+        full = _state(s)["w"]
+        assert isinstance(full, torch.Tensor)
+        state = {"w": ts.Sharded(full[rank * rows : (rank + 1) * rows].clone(),
+                                 global_shape=(128, 512), offsets=(rank * rows, 0)), "step": s}  # fmt: skip
+        mgr.step(s, state)
+    mgr.close()
+    return steps
+
+
+def test_partner_copies_survive_the_loss_of_one_node(tmp_path):
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    remote = str(tmp_path / "remote")
+    assert_all_ok(run_ranks(_node_rank, 2, args=(nodes, remote, 3), timeout=120))
+    assert ts.list_snapshots(remote) == []  # nothing durable yet: only the local tier
+    shutil.rmtree(nodes[1])  # node 1 is lost
+    survivor = ts.open_storage(ts.tier.NodeTier([open_storage(n) for n in nodes], 0))
+    fresh = _blank()
+    info = ts.load(fresh, survivor)
+    assert info.step == 3 and torch.equal(fresh["w"], _state(3)["w"])
+    # Without partner copies the same loss leaves half the objects unreachable.
+    shutil.rmtree(nodes[0])
+    assert_all_ok(run_ranks(_no_partner, 2, args=(nodes, remote + "2"), timeout=120))
+    shutil.rmtree(nodes[1])
+    lonely = ts.open_storage(ts.tier.NodeTier([open_storage(n) for n in nodes], 0))
+    try:
+        ts.load(_blank(), lonely)
+        lost = False
+    except ts.CorruptError:
+        lost = True
+    assert lost
+
+
+def _no_partner(rank: int, world: int, nodes: list[str], remote: str) -> int:
+    mgr = ts.CheckpointManager(
+        remote, local_root=nodes, node=rank, partner=False, local_interval=ts.Every(steps=1),
+        async_save=False, timeout=60,
+    )  # fmt: skip
+    rows = 128 // world
+    full = _state(1)["w"]
+    assert isinstance(full, torch.Tensor)
+    state = {"w": ts.Sharded(full[rank * rows : (rank + 1) * rows].clone(),
+                             global_shape=(128, 512), offsets=(rank * rows, 0)), "step": 1}  # fmt: skip
+    mgr.step(1, state)
+    mgr.close()
+    return 1
+
+
+def test_weights_only_saves_between_full_ones_say_their_level(tmp_path):
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    st = ts.TrainState(model, opt)
+    with ts.CheckpointManager(
+        tmp_path, interval=ts.Every(steps=10), weights_interval=ts.Every(steps=2), async_save=False
+    ) as mgr:
+        for s in range(1, 13):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            mgr.step(s, st)
+    levels = {s.step: s.level for s in ts.list_snapshots(tmp_path)}
+    assert levels == {2: "weights", 4: "weights", 6: "weights", 8: "weights", 10: "strict",
+                      12: "weights"}  # fmt: skip
+    m2 = torch.nn.Linear(16, 8)
+    o2 = torch.optim.AdamW(m2.parameters())
+    with ts.CheckpointManager(tmp_path) as again:
+        info = again.restore(ts.TrainState(m2, o2))  # strict: the newest full save
+        assert info is not None and info.step == 10 and info.level == "strict"
+        latest = again.restore(ts.TrainState(m2, o2), level="weights")
+        assert latest is not None and latest.step == 12
+    assert torch.equal(m2.weight, model.weight)
