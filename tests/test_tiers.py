@@ -89,8 +89,9 @@ def _node_rank(rank: int, world: int, nodes: list[str], remote: str, steps: int)
     for s in range(1, steps + 1):
         full = _state(s)["w"]
         assert isinstance(full, torch.Tensor)
-        state = {"w": ts.Sharded(full[rank * rows : (rank + 1) * rows].clone(),
-                                 global_shape=(128, 512), offsets=(rank * rows, 0)), "step": s}  # fmt: skip
+        local = full[rank * rows : (rank + 1) * rows].clone()
+        shard = ts.Sharded(local, global_shape=(128, 512), offsets=(rank * rows, 0))
+        state = {"w": shard, "step": s}
         mgr.step(s, state)
     mgr.close()
     return steps
@@ -127,8 +128,9 @@ def _no_partner(rank: int, world: int, nodes: list[str], remote: str) -> int:
     rows = 128 // world
     full = _state(1)["w"]
     assert isinstance(full, torch.Tensor)
-    state = {"w": ts.Sharded(full[rank * rows : (rank + 1) * rows].clone(),
-                             global_shape=(128, 512), offsets=(rank * rows, 0)), "step": 1}  # fmt: skip
+    local = full[rank * rows : (rank + 1) * rows].clone()
+    shard = ts.Sharded(local, global_shape=(128, 512), offsets=(rank * rows, 0))
+    state = {"w": shard, "step": 1}
     mgr.step(1, state)
     mgr.close()
     return 1

@@ -137,9 +137,12 @@ class TrainState:
         states honestly what it can restore to."""
         mine = set(self.parts())
         saved = mine if parts is None else set(parts) & mine
-        for level in ("strict", "training"):
-            if {p for p in PARTS_BY_LEVEL[level] if p in mine} <= saved:
-                return level
+        training = {p for p in PARTS_BY_LEVEL["training"] if p in mine}
+        # Strict needs the RNG, which a TrainState restoring strictly always asks for.
+        if "rng" in saved and {p for p in PARTS_BY_LEVEL["strict"] if p in mine} <= saved:
+            return "strict"
+        if training - {"model"} and training <= saved:
+            return "training"
         return "weights"
 
     def data_cursor(self) -> Any:
