@@ -60,7 +60,7 @@ def assemble(
         topology=dict(topology),
         meta=dict(opts.meta),
     )
-    decoded: dict[bytes, Any] = {}
+    decoded: dict[bytes, Any] = plan.decoded
     shards: dict[tuple[str, int], list[tuple[Region, list[tuple[int, int, int]]]]]
     shards = defaultdict(list)
     values: list[tuple[str, int, str, list[tuple[int, int, int]]]] = []

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .spec import Region, Shape, tiling_problems
+from .spec import Flat, Region, Shape, tiling_problems
 
 GLOBAL = -1
 
@@ -71,6 +71,8 @@ class SavePlan:
     bytes_per_rank: list[int]
     tensors: dict[tuple[str, int], tuple[str, Shape]]
     """(key, scope) -> (dtype, global shape) of every tensor the snapshot will hold."""
+    decoded: dict[bytes, list[Entry]] = field(default_factory=dict)
+    """The entry blobs as decoded by the plan (the coordinator's manifest reuses them)."""
 
     @property
     def problems(self) -> list[str]:
@@ -94,13 +96,31 @@ def _refuse(world: int, problems: list[str]) -> SavePlan:
 
 @dataclass(slots=True)
 class _Unique:
-    """One (key, region) to write, the ranks holding it and where it sits in each."""
+    """One (key, region) to write, the ranks holding it and where it sits in each.
+
+    Holders are kept per blob -- (the blob's (rank, offset) list, index in the blob) -- so that
+    an entry shared by the 32 data-parallel replicas of a blob costs one tuple, not 32.
+    """
 
     dtype: str
     shape: Shape
     nbytes: int
-    holders: list[tuple[int, int]] = field(default_factory=list)  # (rank, flat index)
+    sources: list[tuple[list[tuple[int, int]], int]] = field(default_factory=list)
     digests: set[bytes | None] = field(default_factory=set)
+
+    def holders(self) -> list[tuple[int, int]]:
+        """(rank, flat index) of every holder."""
+        return [(r, off + i) for src, i in self.sources for r, off in src]
+
+    def count(self) -> int:
+        return sum(len(src) for src, _ in self.sources)
+
+    def index_on(self, rank: int) -> int:
+        for src, i in self.sources:
+            for r, off in src:
+                if r == rank:
+                    return off + i
+        raise KeyError(rank)
 
 
 def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
@@ -117,7 +137,8 @@ def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
         shown = "; ".join(f"step {s} on ranks {_ranks(r)}" for s, r in sorted(by_step.items()))
         return _refuse(world, [f"ranks disagree on the step: {shown}"])
 
-    uniques, problems = _collect(metas)
+    decoded: dict[bytes, list[Entry]] = {}
+    uniques, problems = _collect(metas, decoded)
     if problems:
         return _refuse(world, problems)
     tensors, scoped, problems = _scope_and_check(uniques, world)
@@ -129,18 +150,18 @@ def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
     replicated = []
     for (_key, scope), u in scoped:
         if scope != GLOBAL:  # a rank's own copy: that rank writes it
-            idx = next(i for r, i in u.holders if r == scope)
-            assignments[scope].entries.append((idx, scope))
+            assignments[scope].entries.append((u.index_on(scope), scope))
             loads[scope] += u.nbytes
-        elif len(u.holders) == 1:
-            rank, idx = u.holders[0]
-            assignments[rank].entries.append((idx, GLOBAL))
+        elif u.count() == 1:
+            src, i = u.sources[0]
+            rank, off = src[0]
+            assignments[rank].entries.append((off + i, GLOBAL))
             loads[rank] += u.nbytes
         else:
             replicated.append(u)
     _balance(replicated, loads, assignments)
     _assign_values(metas, loads, assignments)
-    return SavePlan(assignments, loads, tensors)
+    return SavePlan(assignments, loads, tensors, decoded)
 
 
 def _ranks(rs: list[int]) -> str:
@@ -148,10 +169,11 @@ def _ranks(rs: list[int]) -> str:
     return ", ".join(map(str, rs[:8])) + (f" and {len(rs) - 8} more" if len(rs) > 8 else "")
 
 
-def _collect(metas: list[RankMeta]) -> tuple[dict[tuple[str, Region], _Unique], list[str]]:
+def _collect(
+    metas: list[RankMeta], decoded: dict[bytes, list[Entry]]
+) -> tuple[dict[tuple[str, Region], _Unique], list[str]]:
     """Every distinct (key, region) with its holders; blobs shared by ranks are decoded once."""
     problems: list[str] = []
-    decoded: dict[bytes, list[Entry]] = {}
     # Ranks holding the same blob share every entry of it: expand per blob, not per rank.
     blob_ranks: dict[bytes, list[tuple[int, int]]] = defaultdict(list)
     for m in metas:
@@ -174,7 +196,7 @@ def _collect(metas: list[RankMeta]) -> tuple[dict[tuple[str, Region], _Unique], 
                     f"{dtype} {list(shape)}, rank {holders[0][0]})"
                 )
                 continue
-            u.holders.extend((r, off + i) for r, off in holders)
+            u.sources.append((holders, i))
             u.digests.add(digest)
     return uniques, problems[:20]
 
@@ -202,22 +224,32 @@ def _scope_and_check(
             )
             continue
         if None not in u.digests and len(u.digests) > 1:
-            for rank, _idx in u.holders:
+            for rank, _idx in u.holders():
                 tensors[(key, rank)] = (u.dtype, u.shape)
                 scoped.append(((key, rank), u))
             continue
         tensors[(key, GLOBAL)] = (u.dtype, u.shape)
         regions[key].append(region)
         scoped.append(((key, GLOBAL), u))
+    checked: dict[tuple[Shape, tuple[Region, ...]], list[str]] = {}
     for key, rs in regions.items():
         shape = meta[key][1]
         if len(rs) == 1 and rs[0].numel == _numel(shape):
             continue  # the common case: one full region
-        for why in tiling_problems(rs, shape, limit=3):
+        # A model has a handful of distinct layouts over thousands of tensors: check each once.
+        layout = (shape, tuple(sorted(rs, key=_region_order)))
+        found = checked.get(layout)
+        if found is None:
+            found = checked[layout] = tiling_problems(rs, shape, limit=3)
+        for why in found:
             problems.append(
                 f"{key!r}: the shards all ranks hold together do not tile the tensor: {why}"
             )
     return tensors, scoped, problems[:20]
+
+
+def _region_order(r: Region) -> tuple[int, ...]:
+    return (1, r.start) if isinstance(r, Flat) else (0, *r.offsets)
 
 
 def _numel(shape: Shape) -> int:
@@ -230,8 +262,15 @@ def _numel(shape: Shape) -> int:
 def _balance(replicated: list[_Unique], loads: list[int], out: list[Assignment]) -> None:
     """Largest first onto the least-loaded holder: each writer ends within one shard of fair."""
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    group_of: dict[int, tuple[int, ...]] = {}  # id of a blob's holder list -> its ranks
     for u in sorted(replicated, key=lambda u: -u.nbytes):
-        ranks = tuple(sorted({r for r, _ in u.holders}))
+        if len(u.sources) == 1:
+            src = u.sources[0][0]
+            ranks = group_of.get(id(src))
+            if ranks is None:
+                ranks = group_of[id(src)] = tuple(sorted({r for r, _ in src}))
+        else:
+            ranks = tuple(sorted({r for r, _ in u.holders()}))
         heap = heaps.get(ranks)
         if heap is None:
             heap = heaps[ranks] = [(loads[r], r) for r in ranks]
@@ -241,8 +280,7 @@ def _balance(replicated: list[_Unique], loads: list[int], out: list[Assignment])
             if load == loads[r]:
                 break
             heapq.heappush(heap, (loads[r], r))  # stale: another group moved this rank
-        idx = next(i for rr, i in u.holders if rr == r)
-        out[r].entries.append((idx, GLOBAL))
+        out[r].entries.append((u.index_on(r), GLOBAL))
         loads[r] += u.nbytes
         heapq.heappush(heap, (loads[r], r))
 
