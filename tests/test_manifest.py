@@ -214,7 +214,18 @@ def test_crafted_object_names_cannot_leave_the_root(tmp_path):
     t = _template()
     sid = t["id"]
     doc = json.loads(t["files"][mf.manifest_key(sid)])
-    doc["objects"]["names"][0] = "../" * 6 + "etc/passwd"
+    # Format 2 stores names as raw digest bytes, so no name can spell a path; format 1 (still
+    # read) stored strings: a crafted one must be refused.
+    objs = doc["objects"]
+    names = base64.b64decode(objs["names"]).hex()
+    doc["format_version"] = 1
+    doc["objects"] = {
+        "names": ["../" * 6 + "etc/passwd"]
+        + [names[i : i + 32] for i in range(32, len(names), 32)],
+        "sizes": objs["sizes"],
+        "codecs": ["raw"] * (len(names) // 32),
+        "blocks": objs["blocks"],
+    }
     raw = json.dumps(doc).encode()
     _materialise(tmp_path, raw, _reseal(raw, sid))
     with pytest.raises(ts.CorruptError, match="hex"):

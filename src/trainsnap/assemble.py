@@ -65,7 +65,7 @@ def assemble(
     shards = defaultdict(list)
     values: list[tuple[str, int, str, list[tuple[int, int, int]]]] = []
     for rank, report in enumerate(reports):
-        index = [b.add_object(name, size, digests) for name, size, digests in report.objects]
+        index = [b.add_object(*row) for row in report.objects]
         if report.entries:
             entries = flat_entries(metas[rank], decoded)
             for i, scope, chunks in report.entries:

@@ -16,9 +16,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from . import faults
+from . import compress, faults
 from .checksum import Hasher
 from .errors import CorruptError
 from .manifest import Manifest, object_key
@@ -66,30 +67,69 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class WrittenObject:
     name: str
     size: int
+    """Decoded size (what chunks address)."""
     digests: bytes
+    """Digests of the blocks as stored."""
     written: bool
     """False when an object with this name (hence these bytes) was already stored."""
+    codec: str = "raw"
+    stored: int = -1
+    """Bytes on storage (the size, unless compressed)."""
+    frames: tuple[int, ...] = ()
+    raw_digests: bytes = b""
+
+    def manifest_row(self) -> tuple[str, int, bytes, str, int, tuple[int, ...], bytes]:
+        stored = self.size if self.stored < 0 else self.stored
+        return (self.name, self.size, self.digests, self.codec, stored, self.frames,
+                self.raw_digests)  # fmt: skip
 
 
-def write_object(storage: Storage, hasher: Hasher, data: memoryview) -> WrittenObject:
-    """Hash ``data``, name it by its content and store it unless it is already there."""
-    digests = hasher.block_digests(data)
-    name = hasher.object_name(len(data), digests)
+def write_object(
+    storage: Storage, hasher: Hasher, data: memoryview, codec: str = "raw"
+) -> WrittenObject:
+    """Hash ``data`` (compressing it first, block by block, for a codec other than raw), name
+    it by its stored content and store it unless it is already there."""
+    frames: tuple[int, ...] = ()
+    if codec == "raw":
+        stored_view, raw_digests = data, b""
+    else:
+        bs = hasher.block_size
+        blocks = [data[i : i + bs] for i in range(0, len(data), bs)]
+        raw_digests = b"".join(hasher.digest(b) for b in blocks)
+        parts = [compress.compress_block(b, codec) for b in blocks]
+        frames = tuple(len(p) for p in parts)
+        stored_view = memoryview(b"".join(parts))
+    digests = (
+        hasher.block_digests(stored_view)
+        if codec == "raw"
+        else b"".join(hasher.digest(p) for p in _frames(stored_view, frames))
+    )
+    size = len(stored_view)
+    name = hasher.object_name(size, digests)
     key = object_key(name)
+    row = {"codec": codec, "stored": size, "frames": frames, "raw_digests": raw_digests}
     try:
-        if storage.stat(key) == len(data):
+        if storage.stat(key) == size:
             # Reused: refresh it so a collector's grace period covers it until we commit.
-            storage.refresh(key, data)
-            return WrittenObject(name, len(data), digests, False)
+            storage.refresh(key, stored_view)
+            return WrittenObject(name, len(data), digests, False, **row)  # type: ignore[arg-type]
     except FileNotFoundError:
         pass
     faults.point("before_write")
-    storage.put(key, data)
+    storage.put(key, stored_view)
     faults.point("after_write")
-    stored = storage.stat(key)
-    if stored != len(data):
-        raise OSError(f"object {key} reads back {stored} bytes after writing {len(data)}")
-    return WrittenObject(name, len(data), digests, True)
+    on_disk = storage.stat(key)
+    if on_disk != size:
+        raise OSError(f"object {key} reads back {on_disk} bytes after writing {size}")
+    return WrittenObject(name, len(data), digests, True, **row)  # type: ignore[arg-type]
+
+
+def _frames(stored: memoryview, frames: tuple[int, ...]) -> list[memoryview]:
+    out, pos = [], 0
+    for n in frames:
+        out.append(stored[pos : pos + n])
+        pos += n
+    return out
 
 
 def gather(parts: list[memoryview], size: int) -> memoryview:
@@ -199,6 +239,34 @@ class Reader:
             if self.hasher.digest(data[i : i + bs]) != expected[b * d : (b + 1) * d]:
                 raise self._fail(o, f"block {b} fails its checksum", key)
 
+    def _read_compressed(self, o: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        """Read the frames of the blocks covering [start, stop) once, verify each frame as
+        stored and each block as decoded, and copy the range out."""
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[o])
+        b0, b1 = start // bs, (stop - 1) // bs
+        frames = self.m.object_frames(o)
+        offsets = np.concatenate([[0], np.cumsum(frames)])
+        lo, hi = int(offsets[b0]), int(offsets[b1 + 1])
+        stored = memoryview(bytearray(hi - lo))
+        self._get(o, lo, stored, key)
+        d = self.hasher.digest_size
+        digests, raw_digests = self.m.object_blocks(o), self.m.object_raw_blocks(o)
+        codec = self.m.object_codecs[o]
+        for b in range(b0, b1 + 1):
+            frame = stored[int(offsets[b]) - lo : int(offsets[b + 1]) - lo]
+            if self.hasher.digest(frame) != digests[b * d : (b + 1) * d]:
+                raise self._fail(o, f"frame {b} fails its checksum", key)
+            n = min(bs, size - b * bs)
+            try:
+                block = compress.decompress_block(frame, codec, n)
+            except ValueError as e:
+                raise self._fail(o, f"frame {b} does not decode ({e})", key) from e
+            if self.hasher.digest(block) != raw_digests[b * d : (b + 1) * d]:
+                raise self._fail(o, f"block {b} fails its checksum once decoded", key)
+            a, z = max(start, b * bs), min(stop, b * bs + n)
+            out[a - start : z - start] = block[a - b * bs : z - b * bs]
+
     def read_object(self, o: int, start: int, stop: int, out: memoryview, key: str) -> None:
         """Fill ``out`` with bytes ``[start, stop)`` of object ``o``, every block verified.
 
@@ -206,6 +274,9 @@ class Reader:
         end of the range is read into a per-thread scratch block, verified, and copied.
         """
         assert len(out) == stop - start
+        if self.m.compressed(o):
+            self._read_compressed(o, start, stop, out, key)
+            return
         bs = self.m.block_size
         size = int(self.m.object_sizes[o])
         pos = start
@@ -234,6 +305,10 @@ class Reader:
         """Read the blocks covering several small ranges of object ``o`` once, verify each block
         once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
         share blocks: this is what keeps a load from hashing one block per tensor."""
+        if self.m.compressed(o):
+            for start, stop, out in segments:
+                self._read_compressed(o, start, stop, out, key)
+            return
         bs = self.m.block_size
         size = int(self.m.object_sizes[o])
         lo = min(s for s, _, _ in segments) // bs * bs

@@ -95,6 +95,8 @@ class CheckpointManager:
         weights_interval: when to save the model alone (a ``weights``-level snapshot) between
             full saves.
         chunk_size: object size of large tensors; smaller gives finer incremental snapshots.
+        compression: lossless compression of tensor data, per top-level key or for all (see
+            ``ts.save``), e.g. ``{"optim": "bytegroup+zstd"}``.
         coordinator, timeout, storage_options: as for ``ts.save``.
     """
 
@@ -120,6 +122,7 @@ class CheckpointManager:
         node: int | None = None,
         weights_interval: Any = None,
         chunk_size: int | None = None,
+        compression: str | Mapping[str, str | None] | None = None,
     ) -> None:
         self.storage = open_storage(root, **dict(storage_options or {}))
         self.policies = as_save_policies(interval)
@@ -127,6 +130,7 @@ class CheckpointManager:
         self.weights_policies = as_save_policies(weights_interval)
         self.retention = as_retention(retention)
         self.chunk_size = chunk_size
+        self.compression = compression
         self.durable = _Tier("durable", self.storage, self.retention)
         self.local: _Tier | None = None
         if local_root is not None:
@@ -357,6 +361,7 @@ class CheckpointManager:
             meta["tags"] = [str(t) for t in tags]
         tree, opts = save_options(state, step=step, meta=meta, parts=parts)
         opts.chunk_size = self.chunk_size
+        opts.compression = self.compression
         target = self.local if self.local is not None else self.durable
         promote_to = self.durable if (tier == "durable" and self.local is not None) else None
         opts.fence = target.fence if self.comm.is_coordinator else None

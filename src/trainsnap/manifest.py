@@ -12,8 +12,11 @@ Tables and how they chain (all indices 0-based):
   of its next ``nchunks`` rows of ``chunks``.
 * ``values``: key, rank, codec, ``nchunks``: their chunks follow all the tensors' chunks.
 * ``chunks``: ``object``, ``offset``, ``length``: a byte range of one object.
-* ``objects``: name, size, codec. Object ``o`` is covered by ``ceil(size / block_size)`` digests
-  in ``blocks``, in object order.
+* ``objects``: name, size (decoded), codec. Object ``o`` is ``ceil(size / block_size)`` blocks;
+  ``blocks`` holds a digest of each block *as stored*, in object order. A raw object is stored as
+  is; a compressed one (format 2) is one independent frame per block: ``stored`` gives its bytes
+  on storage, ``frames`` each compressed block's stored size and ``raw_blocks`` each block's
+  digest once decoded (compressed objects only, in object order).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from .spec import Box, Flat, Region, Shape
 
 FORMAT: Final = "trainsnap.manifest"
 MARKER_FORMAT: Final = "trainsnap.marker"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 LEVELS: Final = ("weights", "training", "strict")
 STATE_KINDS: Final = ("model", "optimizer", "scheduler", "scaler", "rng", "data", "extra")
-OBJECT_CODECS: Final = ("raw",)
+OBJECT_CODECS: Final = ("raw", "zstd", "bg2+zstd", "bg4+zstd", "bg8+zstd")
+"""Object codecs; in format 2 an object's codec is stored as its index here."""
 VALUE_CODECS: Final = ("json", "pickle")
 
 BOX: Final = 0
@@ -93,6 +98,10 @@ class Manifest:
     object_sizes: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     object_codecs: list[str] = field(default_factory=list)
     blocks: bytes = b""
+    object_stored: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Bytes each object occupies on storage (equal to its size unless compressed)."""
+    frames: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    raw_blocks: bytes = b""
     # chunks
     chunk_object: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_offset: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -206,10 +215,36 @@ class Manifest:
         d = self.hasher.digest_size
         return self.blocks[int(bs[o]) * d : int(bs[o + 1]) * d]
 
+    def stored(self) -> I64:
+        return self.object_stored if len(self.object_stored) else self.object_sizes
+
+    def compressed(self, o: int) -> bool:
+        return self.object_codecs[o] != "raw"
+
+    def _compressed_block_start(self) -> I64:
+        """Prefix over objects of their blocks counted only for compressed objects."""
+        if "cblock" not in self._derived:
+            b = self.block_size
+            n = (self.object_sizes + (b - 1)) // b
+            mask = np.array([c != "raw" for c in self.object_codecs], bool)
+            self._derived["cblock"] = self._prefix("_cb", np.where(mask, n, 0))
+        out: I64 = self._derived["cblock"]
+        return out
+
+    def object_frames(self, o: int) -> I64:
+        """Stored size of each block (frame) of compressed object ``o``."""
+        cb = self._compressed_block_start()
+        return self.frames[int(cb[o]) : int(cb[o + 1])]
+
+    def object_raw_blocks(self, o: int) -> bytes:
+        cb = self._compressed_block_start()
+        d = self.hasher.digest_size
+        return self.raw_blocks[int(cb[o]) * d : int(cb[o + 1]) * d]
+
     @property
     def nbytes(self) -> int:
-        """Bytes stored: the sum of the sizes of the objects it references."""
-        return int(self.object_sizes.sum())
+        """Bytes stored: the sum of the stored sizes of the objects it references."""
+        return int(self.stored().sum())
 
     def summary(self) -> dict[str, Any]:
         """What the marker repeats, for listing and retention without reading manifests."""
@@ -240,6 +275,9 @@ class ManifestBuilder:
         self.object_sizes: list[int] = []
         self.object_codecs: list[str] = []
         self.block_parts: list[bytes] = []
+        self.object_stored: list[int] = []
+        self.frame_parts: list[list[int]] = []
+        self.raw_block_parts: list[bytes] = []
         self.tensors: list[tuple[str, int, str, Shape]] = []
         self.tensor_nshards: list[int] = []
         self.shard_kind: list[int] = []
@@ -248,8 +286,19 @@ class ManifestBuilder:
         self.values: list[tuple[str, int, str]] = []
         self.value_chunks: list[list[tuple[int, int, int]]] = []
 
-    def add_object(self, name: str, size: int, digests: bytes, codec: str = "raw") -> int:
-        """Index of the object, adding it on first sight (an object may back many chunks)."""
+    def add_object(
+        self,
+        name: str,
+        size: int,
+        digests: bytes,
+        codec: str = "raw",
+        stored: int | None = None,
+        frames: Sequence[int] = (),
+        raw_digests: bytes = b"",
+    ) -> int:
+        """Index of the object, adding it on first sight (an object may back many chunks).
+        ``size`` is the decoded size; a compressed object also gives its stored size, frame
+        sizes and decoded-block digests."""
         found = self._objects.get(name)
         if found is not None:
             return found
@@ -259,6 +308,10 @@ class ManifestBuilder:
         self.object_sizes.append(size)
         self.object_codecs.append(codec)
         self.block_parts.append(digests)
+        self.object_stored.append(size if stored is None else stored)
+        if codec != "raw":
+            self.frame_parts.append(list(frames))
+            self.raw_block_parts.append(raw_digests)
         return i
 
     def add_tensor(self, key: str, rank: int, dtype: str, shape: Shape) -> int:
@@ -295,6 +348,9 @@ class ManifestBuilder:
             object_sizes=np.array(self.object_sizes, np.int64),
             object_codecs=self.object_codecs,
             blocks=b"".join(self.block_parts),
+            object_stored=np.array(self.object_stored, np.int64),
+            frames=np.array([f for fs in self.frame_parts for f in fs], np.int64),
+            raw_blocks=b"".join(self.raw_block_parts),
             chunk_object=np.ascontiguousarray(carr[:, 0]),
             chunk_offset=np.ascontiguousarray(carr[:, 1]),
             chunk_length=np.ascontiguousarray(carr[:, 2]),

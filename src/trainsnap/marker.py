@@ -17,6 +17,7 @@ from .manifest import (
     FORMAT_VERSION,
     LEVELS,
     MARKER_FORMAT,
+    READABLE_VERSIONS,
     Manifest,
     check_snapshot_id,
     id_step,
@@ -56,10 +57,10 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT:
             raise ValueError("not a trainsnap marker")
-        if doc.get("format_version") != FORMAT_VERSION:
+        if doc.get("format_version") not in READABLE_VERSIONS:
             raise IncompatibleError(
                 f"snapshot {snapshot_id} has marker format version "
-                f"{doc.get('format_version')!r}; this trainsnap reads {FORMAT_VERSION}. "
+                f"{doc.get('format_version')!r}; this trainsnap reads {list(READABLE_VERSIONS)}. "
                 "Upgrade trainsnap.",
                 snapshot_id=snapshot_id,
             )

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from . import codec, tunables
+from . import codec, compress, tunables
 from .capture import Captured, TensorItem, capture
 from .checksum import Hasher
 from .engine import WrittenObject, gather, run_all, tensor_bytes, write_object
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, TrainsnapError
 from .manifest import LEVELS, STATE_KINDS
 from .plan import layout_objects
 from .saveplan import Assignment, Entry, RankMeta, Value
@@ -41,6 +41,9 @@ class SaveOptions:
     meta: Mapping[str, Any] = field(default_factory=dict)
     allow_pickle: bool = False
     checksum: str = "xxh3-128"
+    compression: str | Mapping[str, str | None] | None = None
+    """Lossless compression of tensor data: None, "zstd" or "bytegroup+zstd", for everything or
+    per top-level key (``{"optim": "bytegroup+zstd"}``). Values are never compressed."""
     chunk_size: int | None = None
     """Object size for large tensors (default: the ``chunk_size`` tunable). Smaller chunks make
     incremental snapshots finer-grained (an unchanged chunk is referenced, not rewritten) at the
@@ -56,6 +59,16 @@ class SaveOptions:
             raise InvalidArgumentError(f"step must be a non-negative int, got {self.step!r}")
         if self.level not in LEVELS:
             raise InvalidArgumentError(f"level must be one of {LEVELS}, got {self.level!r}")
+        settings = (
+            self.compression.values()
+            if isinstance(self.compression, Mapping)
+            else [self.compression]
+        )
+        for setting in settings:
+            try:
+                compress.codec_for(setting, 4)
+            except TrainsnapError as e:
+                raise InvalidArgumentError(e.message) from None
         unknown = set(self.state_kinds) - set(STATE_KINDS)
         if unknown:
             raise InvalidArgumentError(
@@ -88,6 +101,14 @@ class Local:
     value_bytes: list[bytes]
     staged: dict[int, tuple[memoryview, torch.Tensor]] = field(default_factory=dict)
     chunk_size: int | None = None
+    compression: str | Mapping[str, str | None] | None = None
+
+    def codec(self, i: int) -> str:
+        """The object codec of tensor entry ``i``."""
+        setting = self.compression
+        if isinstance(setting, Mapping):
+            setting = setting.get(self.entries[i][0].split(".", 1)[0])
+        return compress.codec_for(setting, self.captured.tensors[i].local.element_size())
 
     def payload(self, i: int) -> memoryview:
         if i not in self.staged:
@@ -107,7 +128,7 @@ def describe(state: Any, opts: SaveOptions, hasher: Hasher, *, replica_digests: 
     so a state that cannot be saved fails before anything is written. With several ranks, plain
     tensors are hashed so the plan can tell true replicas from per-rank tensors."""
     cap = capture(state)
-    local = Local(cap, [], [], [], chunk_size=opts.chunk_size)
+    local = Local(cap, [], [], [], chunk_size=opts.chunk_size, compression=opts.compression)
     for i, t in enumerate(cap.tensors):
         dtype = codec.dtype_name(t.local.dtype)
         nbytes = t.region.numel * t.local.element_size()
@@ -133,7 +154,10 @@ Chunks = list[tuple[int, int, int]]
 class WriteReport:
     """What one rank wrote, for the coordinator's manifest (or why it failed)."""
 
-    objects: list[tuple[str, int, bytes]] = field(default_factory=list)
+    objects: list[tuple[str, int, bytes, str, int, tuple[int, ...], bytes]] = field(
+        default_factory=list
+    )
+    """(name, size, digests, codec, stored size, frame sizes, decoded digests) per object."""
     entries: list[tuple[int, int, Chunks]] = field(default_factory=list)
     """(entry index, scope, chunks) of each tensor entry written."""
     values: list[tuple[int, int, Chunks]] = field(default_factory=list)
@@ -149,19 +173,22 @@ def write_assigned(
     """Write this rank's assigned entries and values as objects; report their chunks."""
     payloads: list[memoryview] = [local.payload(i) for i, _ in assignment.entries]
     payloads += [memoryview(local.value_bytes[i]) for i, _ in assignment.values]
+    codecs = [local.codec(i) for i, _ in assignment.entries]
+    codecs += ["raw"] * len(assignment.values)
     t = tunables.get()
     chunk = local.chunk_size or t.chunk_size
     layout = layout_objects(
-        [len(p) for p in payloads], chunk_size=chunk, pack_threshold=min(t.pack_threshold, chunk)
-    )
+        [len(p) for p in payloads], chunk_size=chunk,
+        pack_threshold=min(t.pack_threshold, chunk), codecs=codecs,
+    )  # fmt: skip
 
     def task(i: int) -> WrittenObject:
         obj = layout.objects[i]
         parts = [payloads[p][off : off + n] for p, off, n in obj.parts]
-        return write_object(storage, hasher, gather(parts, obj.size))
+        return write_object(storage, hasher, gather(parts, obj.size), obj.codec)
 
     written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
-    report = WriteReport(objects=[(w.name, w.size, w.digests) for w in written])
+    report = WriteReport(objects=[w.manifest_row() for w in written])
     report.bytes_new = sum(w.size for w in written if w.written)
     n = len(assignment.entries)
     for j, (i, scope) in enumerate(assignment.entries):

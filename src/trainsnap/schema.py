@@ -27,6 +27,7 @@ from .manifest import (
     I64,
     LEVELS,
     OBJECT_CODECS,
+    READABLE_VERSIONS,
     VALUE_CODECS,
     Manifest,
     check_snapshot_id,
@@ -60,7 +61,7 @@ def _unarr(s: object, what: str) -> I64:
 def encode(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT,
-        "format_version": m.format_version,
+        "format_version": FORMAT_VERSION,
         "snapshot_id": m.snapshot_id,
         "created": m.created,
         "step": m.step,
@@ -74,12 +75,7 @@ def encode(m: Manifest) -> bytes:
         "parent": m.parent,
         "meta": m.meta,
         "checksum": {"algorithm": m.algorithm, "block_size": m.block_size},
-        "objects": {
-            "names": m.object_names,
-            "sizes": _arr(m.object_sizes),
-            "codecs": m.object_codecs,
-            "blocks": base64.b64encode(m.blocks).decode("ascii"),
-        },
+        "objects": _encode_objects(m),
         "chunks": {
             "object": _arr(m.chunk_object),
             "offset": _arr(m.chunk_offset),
@@ -107,6 +103,62 @@ def encode(m: Manifest) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def _encode_objects(m: Manifest) -> dict[str, Any]:
+    """Format 2: names as their raw digest bytes and codecs as numbers, so that half a million
+    objects decode without half a million JSON strings."""
+    codec_ids = np.array([OBJECT_CODECS.index(c) for c in m.object_codecs], np.int64)
+    return {
+        "names": _b64(bytes.fromhex("".join(m.object_names))),
+        "sizes": _arr(m.object_sizes),
+        "stored": _arr(m.stored()),
+        "codecs": _arr(codec_ids),
+        "blocks": _b64(m.blocks),
+        "frames": _arr(m.frames),
+        "raw_blocks": _b64(m.raw_blocks),
+    }
+
+
+def _decode_objects(objs: dict[str, Any], version: int, algorithm: str) -> dict[str, Any]:
+    blocks = objs["blocks"]
+    if not isinstance(blocks, str):
+        raise ValueError("objects.blocks: expected a base64 string")
+    if version == 1:
+        return {
+            "object_names": _strs(objs["names"], "objects.names"),
+            "object_sizes": _unarr(objs["sizes"], "objects.sizes"),
+            "object_codecs": _strs(objs["codecs"], "objects.codecs"),
+            "blocks": base64.b64decode(blocks, validate=True),
+        }
+    width = Hasher(algorithm).digest_size
+    names = objs["names"]
+    if not isinstance(names, str):
+        raise ValueError("objects.names: expected a base64 string")
+    raw = base64.b64decode(names, validate=True)
+    if len(raw) % width:
+        raise ValueError(f"objects.names: {len(raw)} bytes is not a whole number of digests")
+    hexed = raw.hex()
+    step = 2 * width
+    ids = _unarr(objs["codecs"], "objects.codecs")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(OBJECT_CODECS)):
+        raise IncompatibleError("an object codec unknown to this trainsnap; upgrade it")
+    raw_blocks = objs["raw_blocks"]
+    if not isinstance(raw_blocks, str):
+        raise ValueError("objects.raw_blocks: expected a base64 string")
+    return {
+        "object_names": [hexed[i : i + step] for i in range(0, len(hexed), step)],
+        "object_sizes": _unarr(objs["sizes"], "objects.sizes"),
+        "object_stored": _unarr(objs["stored"], "objects.stored"),
+        "object_codecs": [OBJECT_CODECS[i] for i in ids.tolist()],
+        "blocks": base64.b64decode(blocks, validate=True),
+        "frames": _unarr(objs["frames"], "objects.frames"),
+        "raw_blocks": base64.b64decode(raw_blocks, validate=True),
+    }
+
+
 def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
     """Parse and validate; raise :class:`IncompatibleError` for a format this reader does not
     know and :class:`CorruptError` for anything malformed."""
@@ -120,11 +172,10 @@ def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptError(f"manifest of snapshot {sid} is not a trainsnap manifest")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise IncompatibleError(
             f"snapshot {sid} has manifest format version {version!r}; this trainsnap reads "
-            f"version {FORMAT_VERSION}. Upgrade trainsnap (newer formats) or convert the snapshot "
-            "with an older trainsnap's `trainsnap migrate` (older formats).",
+            f"versions {list(READABLE_VERSIONS)}. Upgrade trainsnap to read it.",
             snapshot_id=snapshot_id,
         )
     try:
@@ -188,9 +239,7 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
     parent = doc.get("parent")
     if parent is not None:
         check_snapshot_id(parent)
-    blocks = objs["blocks"]
-    if not isinstance(blocks, str):
-        raise ValueError("objects.blocks: expected a base64 string")
+    objects = _decode_objects(objs, int(doc["format_version"]), str(ck["algorithm"]))
     return Manifest(
         format_version=doc["format_version"],
         snapshot_id=check_snapshot_id(doc["snapshot_id"]),
@@ -207,10 +256,7 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
         topology=as_dict(doc["topology"], "topology"),
         parent=parent,
         meta=as_dict(doc.get("meta", {}), "meta"),
-        object_names=_strs(objs["names"], "objects.names"),
-        object_sizes=_unarr(objs["sizes"], "objects.sizes"),
-        object_codecs=_strs(objs["codecs"], "objects.codecs"),
-        blocks=base64.b64decode(blocks, validate=True),
+        **objects,
         chunk_object=_unarr(ch["object"], "chunks.object"),
         chunk_offset=_unarr(ch["offset"], "chunks.offset"),
         chunk_length=_unarr(ch["length"], "chunks.length"),
@@ -264,9 +310,12 @@ def _validate_objects(m: Manifest) -> list[str]:
     if len(m.object_sizes) != n or len(m.object_codecs) != n:
         return [f"objects table columns disagree in length ({n} names)"]
     width = m.hasher.name_length()
-    bad = [x for x in m.object_names if len(x) != width or not _HEX_RE.match(x)]
-    if bad:
-        p.append(f"{len(bad)} object names are not {width}-digit lowercase hex, e.g. {bad[0]!r}")
+    if m.format_version == 1:  # format 2 names are made from raw digest bytes: hex by design
+        bad = [x for x in m.object_names if len(x) != width or not _HEX_RE.match(x)]
+        if bad:
+            p.append(
+                f"{len(bad)} object names are not {width}-digit lowercase hex, e.g. {bad[0]!r}"
+            )
     if len(set(m.object_names)) != n:
         p.append("object names repeat")
     if n and int(m.object_sizes.min()) < 0:
@@ -277,7 +326,26 @@ def _validate_objects(m: Manifest) -> list[str]:
         p.append(
             f"{len(m.blocks)} bytes of block digests, expected {nblocks} x {m.hasher.digest_size}"
         )
-    return p
+    return p + _validate_frames(m)
+
+
+def _validate_frames(m: Manifest) -> list[str]:
+    """Compressed objects: one frame per block, frames adding up to the stored size."""
+    stored = m.stored()
+    if len(stored) != len(m.object_sizes) or (len(stored) and int(stored.min()) < 0):
+        return ["objects.stored disagrees with the object table"]
+    raw = [o for o in range(len(m.object_codecs)) if not m.compressed(o)]
+    if raw and not np.array_equal(stored[raw], m.object_sizes[raw]):
+        return ["a raw object's stored size differs from its size"]
+    ncb = int(m._compressed_block_start()[-1])
+    if len(m.frames) != ncb or len(m.raw_blocks) != ncb * m.hasher.digest_size:
+        return [f"{len(m.frames)} frames for {ncb} compressed blocks"]
+    if ncb and int(m.frames.min()) <= 0:
+        return ["a compressed frame has no bytes"]
+    for o in (o for o in range(len(m.object_codecs)) if m.compressed(o)):
+        if int(m.object_frames(o).sum()) != int(stored[o]):
+            return [f"object {m.object_names[o]}: frames do not add up to its stored size"]
+    return []
 
 
 def _validate_tables(m: Manifest) -> list[str]:

@@ -98,6 +98,7 @@ def save_options(
     allow_pickle: bool = False,
     checksum: str = "xxh3-128",
     parts: Collection[str] | None = None,
+    compression: str | Mapping[str, str | None] | None = None,
 ) -> tuple[Any, SaveOptions]:
     """The tree to save and its options; a :class:`TrainState` gives its tree, kinds, level,
     versions and counters."""
@@ -122,6 +123,7 @@ def save_options(
         meta=dict(meta or {}),
         allow_pickle=allow_pickle,
         checksum=checksum,
+        compression=compression,
     )
     return tree, opts
 
@@ -144,6 +146,7 @@ def save(
     coordinator: int = 0,
     timeout: float | None = None,
     saver: AsyncSaver | None = None,
+    compression: str | Mapping[str, str | None] | None = None,
 ) -> SnapshotInfo:
     """Save ``state`` (a mapping of tensors, plain data and stateful objects) as a new snapshot
     of ``root`` at ``step``, and commit it. Returns the committed snapshot.
@@ -158,12 +161,15 @@ def save(
     buffers) with a :class:`~trainsnap.asyncsave.SaveHandle`: ``wait()`` gives the snapshot or
     raises. Writing and the commit continue in the background; at most one save per ``saver``
     (default: the process's) is in flight, and a failure is raised by the next save or wait.
+
+    ``compression`` ("zstd", "bytegroup+zstd", or a mapping from top-level key to either)
+    stores tensor data compressed losslessly, block by block.
     """
     storage = open_storage(root, **dict(storage_options or {}))
     tree, opts = save_options(
         state, step=step, level=level, tokens_seen=tokens_seen, samples_seen=samples_seen,
         data_cursor=data_cursor, versions=versions, meta=meta, allow_pickle=allow_pickle,
-        checksum=checksum,
+        checksum=checksum, compression=compression,
     )  # fmt: skip
     if async_save:
         handle = (saver or default_saver()).save(tree, storage, opts, _comm(coordinator, timeout))

@@ -122,7 +122,7 @@ def promote(src: Storage, dst: Storage, snapshot_id: str, fence: object = None) 
     order); returns the bytes of objects copied. Objects already in ``dst`` are not copied."""
     m = commit.open_snapshot(src, snapshot_id)
     copied = 0
-    for name, size in zip(m.object_names, m.object_sizes.tolist(), strict=True):
+    for name, size in zip(m.object_names, m.stored().tolist(), strict=True):
         key = object_key(name)
         try:
             if dst.stat(key) == size:

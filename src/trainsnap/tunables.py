@@ -47,10 +47,8 @@ class Tunables:
                 f"({self.block_size})"
             )
         if self.pack_threshold > self.chunk_size:
-            raise InvalidArgumentError(
-                f"pack_threshold ({self.pack_threshold}) must not exceed chunk_size "
-                f"({self.chunk_size}): a packed payload must fit in one object"
-            )
+            # A packed payload must fit in one object: the threshold is capped at the chunk.
+            object.__setattr__(self, "pack_threshold", self.chunk_size)
         if self.io_threads < 1:
             raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.read_budget < 2 * self.block_size:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from . import commit, tunables
+from . import commit, compress, tunables
 from .engine import run_all
 from .errors import (
     CorruptError,
@@ -105,7 +105,7 @@ class VerifyReport:
 def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
     name = m.object_names[o]
     key = object_key(name)
-    size = int(m.object_sizes[o])
+    size = int(m.stored()[o])
     sid = m.snapshot_id
     try:
         stored = storage.stat(key)
@@ -118,6 +118,8 @@ def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
         return [
             Problem(CorruptError, sid, f"object {name} is {what}: {stored} of {size} bytes", key)
         ]
+    if m.compressed(o):
+        return _check_compressed(storage, m, o, key)
     h = m.hasher
     expected = m.object_blocks(o)
     step = max(h.block_size, (16 << 20) // h.block_size * h.block_size)
@@ -147,6 +149,39 @@ def _check_object(storage: Storage, m: Manifest, o: int) -> list[Problem]:
             Problem(CorruptError, sid, f"object {name}: name does not match its content", key)
         )
     return out
+
+
+def _check_compressed(storage: Storage, m: Manifest, o: int, key: str) -> list[Problem]:
+    """Every frame against its stored digest, every block decoded against its data digest."""
+    name, sid, h = m.object_names[o], m.snapshot_id, m.hasher
+    try:
+        stored = storage.get(key)
+    except OSError as e:
+        return [Problem(CorruptError, sid, f"object {name} cannot be read: {e}", key)]
+    d, bs, size = h.digest_size, m.block_size, int(m.object_sizes[o])
+    expected, raw_expected = m.object_blocks(o), m.object_raw_blocks(o)
+    bad, digests, pos = [], [], 0
+    for b, n in enumerate(m.object_frames(o).tolist()):
+        frame = stored[pos : pos + n]
+        pos += n
+        digest = h.digest(frame)
+        digests.append(digest)
+        if digest != expected[b * d : (b + 1) * d]:
+            bad.append(f"frame {b}")
+            continue
+        try:
+            block = compress.decompress_block(frame, m.object_codecs[o], min(bs, size - b * bs))
+        except ValueError:
+            bad.append(f"frame {b} (does not decode)")
+            continue
+        if h.digest(block) != raw_expected[b * d : (b + 1) * d]:
+            bad.append(f"block {b} (decoded)")
+    if bad:
+        shown = ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+        return [Problem(CorruptError, sid, f"object {name}: {shown} fail their checksum", key)]
+    if h.object_name(len(stored), b"".join(digests)) != name:
+        return [Problem(CorruptError, sid, f"object {name}: name does not match its content", key)]
+    return []
 
 
 def _check_manifest(m: Manifest, marker_summary: dict[str, Any]) -> list[Problem]:
