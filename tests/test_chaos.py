@@ -241,7 +241,8 @@ def test_restore_with_incompatible_format_model_or_optimizer(tmp_path):
             o2: torch.optim.Optimizer = torch.optim.AdamW(m2.parameters())
             versions = {"model": "v1"}
             if case.endswith("format version"):
-                _reseal(root, info.id, lambda d: d.update(format_version=manifest.FORMAT_VERSION + 1))
+                newer = manifest.FORMAT_VERSION + 1
+                _reseal(root, info.id, lambda d, v=newer: d.update(format_version=v))
             elif case.endswith("model version"):
                 versions = {"model": "v2"}
             else:
