@@ -374,7 +374,7 @@ def _load(
                 read_value=lambda key: read_value(storage, m, key, comm.rank),
             )  # fmt: skip
             tree, reached = plan.tree, plan.level
-        world = int(m.topology.get("world_size", 1))
+        world = m.world_size
         reader = fill(
             storage, m, targets(tree), comm.rank, allow_pickle=allow_pickle,
             same_world=world == comm.world_size,

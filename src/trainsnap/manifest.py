@@ -134,6 +134,12 @@ class Manifest:
         return result
 
     @property
+    def world_size(self) -> int:
+        """How many ranks wrote the snapshot (validated when decoded)."""
+        w = self.topology.get("world_size", 1)
+        return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else 1
+
+    @property
     def hasher(self) -> Hasher:
         if "hasher" not in self._derived:
             self._derived["hasher"] = Hasher(self.algorithm, self.block_size)
@@ -218,16 +224,27 @@ class Manifest:
     def stored(self) -> I64:
         return self.object_stored if len(self.object_stored) else self.object_sizes
 
+    def compressed_mask(self) -> npt.NDArray[np.bool_]:
+        """True for each object stored compressed."""
+        if "cmask" not in self._derived:
+            codecs = self.object_codecs
+            self._derived["cmask"] = (
+                np.fromiter((c != "raw" for c in codecs), bool, count=len(codecs))
+                if "raw" not in codecs or len(set(codecs)) > 1
+                else np.zeros(len(codecs), bool)
+            )
+        mask: npt.NDArray[np.bool_] = self._derived["cmask"]
+        return mask
+
     def compressed(self, o: int) -> bool:
-        return self.object_codecs[o] != "raw"
+        return bool(self.compressed_mask()[o])
 
     def _compressed_block_start(self) -> I64:
         """Prefix over objects of their blocks counted only for compressed objects."""
         if "cblock" not in self._derived:
             b = self.block_size
             n = (self.object_sizes + (b - 1)) // b
-            mask = np.array([c != "raw" for c in self.object_codecs], bool)
-            self._derived["cblock"] = self._prefix("_cb", np.where(mask, n, 0))
+            self._derived["cblock"] = self._prefix("_cb", np.where(self.compressed_mask(), n, 0))
         out: I64 = self._derived["cblock"]
         return out
 

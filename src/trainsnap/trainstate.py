@@ -275,7 +275,7 @@ class TrainState:
             if p not in snap.parts
         ]
         if level == "strict":
-            saved_world = int(m.topology.get("world_size", 1))
+            saved_world = m.world_size
             if saved_world != world:
                 for p in RANK_BOUND_PARTS:
                     if p in wanted and snap.rank_bound(p):
