@@ -226,6 +226,10 @@ def test_crafted_object_names_cannot_leave_the_root(tmp_path):
         "codecs": ["raw"] * (len(names) // 32),
         "blocks": objs["blocks"],
     }
+    tens = doc["tensors"]
+    ndim = np.frombuffer(base64.b64decode(tens.pop("ndim")), "<i8").tolist()
+    dims = np.frombuffer(base64.b64decode(tens.pop("dims")), "<i8").tolist()
+    tens["shapes"] = [dims[sum(ndim[:i]) : sum(ndim[: i + 1])] for i in range(len(ndim))]
     raw = json.dumps(doc).encode()
     _materialise(tmp_path, raw, _reseal(raw, sid))
     with pytest.raises(ts.CorruptError, match="hex"):

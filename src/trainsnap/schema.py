@@ -85,7 +85,8 @@ def encode(m: Manifest) -> bytes:
             "keys": m.tensor_keys,
             "ranks": _arr(m.tensor_ranks),
             "dtypes": m.tensor_dtypes,
-            "shapes": [list(s) for s in m.tensor_shapes],
+            "ndim": _arr(np.array([len(t) for t in m.tensor_shapes], np.int64)),
+            "dims": _arr(np.array([d for t in m.tensor_shapes for d in t], np.int64)),
             "nshards": _arr(m.tensor_nshards),
         },
         "shards": {
@@ -216,6 +217,25 @@ def _opt_int(v: object, what: str) -> int | None:
     return v
 
 
+def _decode_shapes(tens: dict[str, Any], version: int) -> list[tuple[int, ...]]:
+    """Format 2 stores shapes as two int64 columns (rank of each tensor, all dimensions)."""
+    if version == 1:
+        shapes = tens["shapes"]
+        if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in s)
+            for s in shapes
+        ):
+            raise ValueError("tensors.shapes: expected a list of integer lists")
+        return [tuple(s) for s in shapes]
+    ndim = _unarr(tens["ndim"], "tensors.ndim")
+    dims = _unarr(tens["dims"], "tensors.dims").tolist()
+    if len(ndim) and (int(ndim.min()) < 0 or int(ndim.sum()) != len(dims)):
+        raise ValueError("tensors.ndim and tensors.dims disagree")
+    ends = np.cumsum(ndim).tolist()
+    starts = [0, *ends][: len(ends)]
+    return [tuple(dims[a:b]) for a, b in zip(starts, ends, strict=True)]
+
+
 def _from_doc(doc: dict[str, Any]) -> Manifest:
     ck = as_dict(doc["checksum"], "checksum")
     objs = as_dict(doc["objects"], "objects")
@@ -223,12 +243,7 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
     tens = as_dict(doc["tensors"], "tensors")
     sh = as_dict(doc["shards"], "shards")
     vals = as_dict(doc["values"], "values")
-    shapes = tens["shapes"]
-    if not isinstance(shapes, list) or not all(
-        isinstance(s, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in s)
-        for s in shapes
-    ):
-        raise ValueError("tensors.shapes: expected a list of integer lists")
+    shapes = _decode_shapes(tens, int(doc["format_version"]))
     kinds = as_dict(doc["state_kinds"], "state_kinds")
     step = doc["step"]
     if isinstance(step, bool) or not isinstance(step, int):
@@ -263,7 +278,7 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
         tensor_keys=_strs(tens["keys"], "tensors.keys"),
         tensor_ranks=_unarr(tens["ranks"], "tensors.ranks"),
         tensor_dtypes=_strs(tens["dtypes"], "tensors.dtypes"),
-        tensor_shapes=[tuple(s) for s in shapes],
+        tensor_shapes=shapes,
         tensor_nshards=_unarr(tens["nshards"], "tensors.nshards"),
         shard_kind=_unarr(sh["kind"], "shards.kind"),
         shard_geo=_unarr(sh["geo"], "shards.geo"),
