@@ -159,7 +159,10 @@ def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
     if nbytes < (1 << 20):
         yield memoryview(bytearray(nbytes))
         return
-    region = mmap.mmap(-1, nbytes)
+    try:  # private: pages come straight from the allocator, not from shared memory
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, TypeError):  # platforms without these flags
+        region = mmap.mmap(-1, nbytes)
     view = memoryview(region)
     try:
         yield view

@@ -5,6 +5,7 @@ The protocol around these steps (agreement, plan, commit) is in :mod:`trainsnap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -187,7 +188,9 @@ def write_assigned(
         parts = [payloads[p][off : off + n] for p, off, n in obj.parts]
         return write_object(storage, hasher, gather(parts, obj.size), obj.codec)
 
-    written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
+    batch = getattr(storage, "deferred_dir_sync", None)
+    with batch() if batch is not None else contextlib.nullcontext():
+        written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
     report = WriteReport(objects=[w.manifest_row() for w in written])
     report.bytes_new = sum(w.size for w in written if w.written)
     n = len(assignment.entries)
