@@ -35,7 +35,7 @@ from .comm import Comm, PeerLost, Session
 from .errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from .loading import fill, read_value
 from .manifest import Manifest
-from .saveplan import Assignment, RankMeta, SavePlan, plan_save
+from .saveplan import Assignment, RankMeta, SavePlan, plan_local, plan_save
 from .saving import Local, SaveOptions, WriteReport, describe, write_assigned
 from .staging import BudgetExceeded, Lease, StagingPool
 from .storage.base import Storage
@@ -147,7 +147,7 @@ def _agree(
     with trace.span("capture", step=opts.step):
         try:
             local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
-            meta = local.meta(comm.rank, opts.step)
+            meta = local.meta(comm.rank, opts.step) if comm.world_size > 1 else None
             mesh = local.captured.mesh
         except TrainsnapError as e:
             if comm.world_size == 1:
@@ -156,6 +156,15 @@ def _agree(
     # 2. (coordinator) plan
     with trace.span("plan", step=opts.step):
         sid = commit.new_snapshot_id(opts.step)
+        if comm.world_size == 1:
+            assert local is not None
+            single = plan_local(local.entries, local.values, opts.step, sid)
+            if single.problems:
+                raise _refusal(single.problems)
+            return PendingSave(
+                storage, opts, comm, session, hasher, local, single.assignments[0],
+                single.metas, single, mesh, t0,
+            )  # fmt: skip
         metas = session.gather("meta", meta)
         assignments: list[Assignment] | None = None
         plan: SavePlan | None = None
@@ -189,8 +198,9 @@ def _stage(p: PendingSave, pool: StagingPool) -> Lease | None:
         return None
     lease = Lease()
     try:
-        for i, _scope in p.assignment.entries:
-            view = pool.stage(tensors[i].local, lease)
+        which = [i for i, _scope in p.assignment.entries]
+        views = pool.stage_many([tensors[i].local for i in which], lease)
+        for i, view in zip(which, views, strict=True):
             p.local.staged[i] = (view, tensors[i].local)
     except BaseException:
         pool.release(lease)

@@ -73,6 +73,8 @@ class SavePlan:
     """(key, scope) -> (dtype, global shape) of every tensor the snapshot will hold."""
     decoded: dict[bytes, list[Entry]] = field(default_factory=dict)
     """The entry blobs as decoded by the plan (the coordinator's manifest reuses them)."""
+    metas: list[RankMeta] = field(default_factory=list)
+    """The rank descriptions the plan was made from (one process: made by the plan)."""
 
     @property
     def problems(self) -> list[str]:
@@ -161,7 +163,34 @@ def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
             replicated.append(u)
     _balance(replicated, loads, assignments)
     _assign_values(metas, loads, assignments)
-    return SavePlan(assignments, loads, tensors, decoded)
+    return SavePlan(assignments, loads, tensors, decoded, metas)
+
+
+_LOCAL_BLOB = b"<this process>"
+
+
+def plan_local(entries: list[Entry], values: list[Value], step: int, snapshot_id: str) -> SavePlan:
+    """The plan of a single process: it writes everything, all of it global. Nothing is
+    pickled (the pause of an asynchronous save includes planning)."""
+    problems: list[str] = []
+    tensors: dict[tuple[str, int], tuple[str, Shape]] = {}
+    for key, dtype, shape, region, _n, _d in entries:
+        tensors[(key, GLOBAL)] = (dtype, shape)
+        if region.numel != _numel(shape):
+            for why in tiling_problems([region], shape, limit=3):
+                problems.append(
+                    f"{key!r}: the shards all ranks hold together do not tile the tensor: {why}"
+                )
+    if problems:
+        return _refuse(1, problems[:20])
+    a = Assignment(
+        snapshot_id=snapshot_id,
+        entries=[(i, GLOBAL) for i in range(len(entries))],
+        values=[(i, GLOBAL) for i in range(len(values))],
+    )
+    loads = [sum(e[4] for e in entries) + sum(v[3] for v in values)]
+    meta = RankMeta(0, step, [("", _LOCAL_BLOB)], values)
+    return SavePlan([a], loads, tensors, {_LOCAL_BLOB: list(entries)}, [meta])
 
 
 def _ranks(rs: list[int]) -> str:

@@ -29,10 +29,22 @@ class BudgetExceeded(Exception):
 
 
 @dataclass(slots=True)
+class _Arena:
+    """One buffer holding a whole save's tensors back to back, with the views into it: a state
+    saved again with the same shapes reuses the arena, views and all."""
+
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    bytes_views: list[memoryview]
+    busy: bool = False
+
+
+@dataclass(slots=True)
 class Lease:
     """The buffers one save staged into, held until its writes are done."""
 
     buffers: list[torch.Tensor] = field(default_factory=list)
+    arena: _Arena | None = None
     nbytes: int = 0
     events: list[Any] = field(default_factory=list)
     """CUDA events marking the end of device-to-host copies (waited on before reading)."""
@@ -52,6 +64,7 @@ class StagingPool:
         self._allocated = 0
         self._lock = threading.Lock()
         self._stream: Any = None
+        self._arenas: dict[tuple[Any, ...], list[_Arena]] = {}
 
     @property
     def allocated(self) -> int:
@@ -90,6 +103,45 @@ class StagingPool:
                 f"the state to stage ({sum(sizes)} bytes) exceeds the staging budget "
                 f"({self.budget} bytes)"
             )
+
+    def stage_many(self, tensors: list[torch.Tensor], lease: Lease) -> list[memoryview]:
+        """Copy every tensor into one arena, with one batched copy; returns the staged bytes
+        of each. The arena and its views are reused by the next save of the same shapes, so a
+        warm save costs the copy itself and little else."""
+        xs = [t.detach() for t in tensors]
+        if any(x.is_conj() or x.is_neg() or x.device.type != "cpu" for x in xs):
+            return [self.stage(t, lease) for t in tensors]  # devices: one by one, side stream
+        key = tuple((x.dtype, x.shape) for x in xs)
+        arena = self._arena(key, xs)
+        lease.arena = arena
+        lease.nbytes += arena.buffer.numel()
+        dst = [v for v, x in zip(arena.views, xs, strict=True) if x.numel()]
+        src = [x for x in xs if x.numel()]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return arena.bytes_views
+
+    def _arena(self, key: tuple[Any, ...], xs: list[torch.Tensor]) -> _Arena:
+        with self._lock:
+            for arena in self._arenas.get(key, []):
+                if not arena.busy:
+                    arena.busy = True
+                    return arena
+        sizes = [x.numel() * x.element_size() for x in xs]
+        starts, total = [], 0
+        for n in sizes:  # each tensor on a 64-byte boundary: any dtype can view its bytes
+            starts.append(total)
+            total += -(-n // 64) * 64
+        buf = self._take(total, pinned=False) if total else torch.empty(0, dtype=torch.uint8)
+        views, bviews = [], []
+        for x, n, pos in zip(xs, sizes, starts, strict=True):
+            part = buf[pos : pos + n]
+            views.append(part.view(x.dtype).view(x.shape) if n else part)
+            bviews.append(tensor_bytes(part) if n else memoryview(b""))
+        arena = _Arena(buf, views, bviews, busy=True)
+        with self._lock:
+            self._arenas.setdefault(key, []).append(arena)
+        return arena
 
     def stage(self, t: torch.Tensor, lease: Lease) -> memoryview:
         """Copy ``t`` into a pool buffer held by ``lease``; returns the staged bytes."""
@@ -133,3 +185,6 @@ class StagingPool:
             for buf in lease.buffers:
                 self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
             lease.buffers = []
+            if lease.arena is not None:
+                lease.arena.busy = False
+                lease.arena = None
