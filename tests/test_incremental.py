@@ -3,6 +3,7 @@ snapshot stands alone (deleting older ones never breaks a newer one)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,41 @@ def test_lora_snapshots_write_only_what_changed_and_each_stands_alone(tmp_path):
         referenced = set(commit.open_snapshot(storage, snap.id).object_names)
         on_disk = {p.name for p in (tmp_path / "objects").rglob("*") if p.is_file()}
         assert referenced <= on_disk
+
+
+def test_retained_history_keeps_optimizer_state_at_reduced_precision(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = ts.TrainState(model, opt)
+    moments: dict[int, torch.Tensor] = {}
+    with ts.CheckpointManager(
+        tmp_path, interval=ts.Every(steps=1), retention=[ts.KeepLast(1), ts.KeepEvery(2)],
+        async_save=False, quantize_history=True,
+    ) as mgr:  # fmt: skip
+        for step in range(1, 6):
+            model(torch.randn(8, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.step(step, state)
+            moments[step] = opt.state[model.weight]["exp_avg_sq"].clone()
+    snaps = {s.step: s for s in ts.list_snapshots(tmp_path)}
+    assert sorted(snaps) == [2, 4, 5]
+    newest = commit.open_snapshot(open_storage(tmp_path), snaps[5].id)
+    assert not newest.meta.get("approximate") and newest.level == "strict"
+    old = commit.open_snapshot(open_storage(tmp_path), snaps[2].id)
+    assert old.meta["approximate"]["precision"] == "bfloat16" and old.level == "training"
+    assert snaps[2].nbytes < snaps[5].nbytes  # rounded moments compress
+    m2 = nn.Linear(256, 256)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    fresh = ts.TrainState(m2, o2)
+    with pytest.raises(ts.IncompatibleError, match="reduced precision"):
+        ts.load(fresh, tmp_path, snapshot=snaps[2].id)
+    info = ts.load(fresh, tmp_path, snapshot=snaps[2].id, level="training")
+    assert info.level == "training"
+    got = o2.state[m2.weight]["exp_avg_sq"]
+    assert torch.equal(got, moments[2].to(torch.bfloat16).to(torch.float32))
+    assert not torch.equal(got, moments[2])  # it is an approximation, and says so
+    m3 = nn.Linear(256, 256)
+    assert ts.load(ts.TrainState(m3, torch.optim.AdamW(m3.parameters())), tmp_path).step == 5
+    assert ts.verify(tmp_path).ok

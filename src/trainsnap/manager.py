@@ -46,6 +46,7 @@ from .errors import (
     InvalidArgumentError,
     TrainsnapError,
 )
+from .history import quantize_history
 from .manifest import Manifest, level_rank
 from .policy import (
     Candidate,
@@ -97,6 +98,8 @@ class CheckpointManager:
         chunk_size: object size of large tensors; smaller gives finer incremental snapshots.
         compression: lossless compression of tensor data, per top-level key or for all (see
             ``ts.save``), e.g. ``{"optim": "bytegroup+zstd"}``.
+        quantize_history: keep the optimizer state of retained snapshots other than the newest
+            at bfloat16 precision (recorded as approximate: they restore at ``training``).
         coordinator, timeout, storage_options: as for ``ts.save``.
     """
 
@@ -123,6 +126,7 @@ class CheckpointManager:
         weights_interval: Any = None,
         chunk_size: int | None = None,
         compression: str | Mapping[str, str | None] | None = None,
+        quantize_history: bool = False,
     ) -> None:
         self.storage = open_storage(root, **dict(storage_options or {}))
         self.policies = as_save_policies(interval)
@@ -131,6 +135,7 @@ class CheckpointManager:
         self.retention = as_retention(retention)
         self.chunk_size = chunk_size
         self.compression = compression
+        self.quantize_history = quantize_history
         self.durable = _Tier("durable", self.storage, self.retention)
         self.local: _Tier | None = None
         if local_root is not None:
@@ -410,8 +415,17 @@ class CheckpointManager:
             touched.append(promote_to)
         for t in touched:
             t.apply_retention()
+            if self.quantize_history:
+                self._quantize(t)
             if self.saver.in_flight() <= 1:  # only this save, finishing now
                 gc.collect(t.storage, grace=self.gc_grace)
+
+    def _quantize(self, tier: _Tier) -> None:
+        """Older retained snapshots, never the newest: optimizer state at bfloat16 precision."""
+        found = commit.list_committed(tier.storage)
+        for c in found[:-1]:
+            if not c.marker.summary.get("approximate"):
+                quantize_history(tier.storage, c.snapshot_id, fence=tier.fence)
 
     def apply_retention(self) -> list[str]:
         """Delete the committed snapshots no retention policy keeps (never the newest), on

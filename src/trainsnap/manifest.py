@@ -276,6 +276,8 @@ class Manifest:
             out["metrics"] = self.meta["metrics"]
         if self.meta.get("tags"):
             out["tags"] = self.meta["tags"]
+        if self.meta.get("approximate"):
+            out["approximate"] = True
         return out
 
 

@@ -284,6 +284,12 @@ class TrainState:
                             f"{saved_world} to {world} ranks"
                         )
             out += self._version_changes(m)
+            approx = m.meta.get("approximate")
+            if approx and "optim" in wanted:
+                out.append(
+                    "the optimizer state was stored at reduced precision (retained history, "
+                    f"{approx.get('precision', '?') if isinstance(approx, dict) else '?'})"
+                )
             if "rng" in wanted and ("cuda" in snap.rng_devices) != torch.cuda.is_available():
                 out.append(
                     "the snapshot's CUDA RNG state does not match this process's CUDA devices"
