@@ -110,3 +110,21 @@ def test_retained_history_keeps_optimizer_state_at_reduced_precision(tmp_path):
     m3 = nn.Linear(256, 256)
     assert ts.load(ts.TrainState(m3, torch.optim.AdamW(m3.parameters())), tmp_path).step == 5
     assert ts.verify(tmp_path).ok
+
+
+def test_identical_chunks_in_one_save_are_written_once_and_counts_are_stored_bytes(
+    tmp_path, caplog
+):
+    # Found by the incremental benchmark: concurrent writers of the same object each wrote it,
+    # and compressed objects were counted at their decoded size.
+    state = {f"z{i}": torch.zeros(1 << 18) for i in range(16)}  # 16 identical 1 MiB payloads
+    ts.save(state, tmp_path / "a", step=1)
+    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"][-1]
+    assert "bytes=1048576 written=1048576" in line, line
+    files = [p for p in (tmp_path / "a" / "objects").rglob("*") if p.is_file()]
+    assert len(files) == 1
+    ts.save({"w": torch.randn(1 << 20)}, tmp_path / "c", step=1, compression="bytegroup+zstd")
+    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"][-1]
+    referenced = int(line.split("bytes=")[1].split()[0])
+    written = int(line.split("written=")[1].split()[0])
+    assert written == referenced < 4 << 20

@@ -107,6 +107,46 @@ def write_object(
     size = len(stored_view)
     name = hasher.object_name(size, digests)
     key = object_key(name)
+    with _one_writer(name):  # the same bytes written by another thread: wait, then reuse
+        return _store(storage, key, name, data, stored_view, digests, codec, frames, raw_digests)
+
+
+_writing: dict[str, threading.Event] = {}
+_writing_lock = threading.Lock()
+
+
+@contextmanager
+def _one_writer(name: str) -> Iterator[None]:
+    """Writers of the same object in this process take turns: identical chunks in one save
+    (all-zero moments, say) are written once, and the later writers find the object stored
+    (or, if the first one failed, write it themselves)."""
+    while True:
+        with _writing_lock:
+            event = _writing.get(name)
+            if event is None:
+                event = _writing[name] = threading.Event()
+                break
+        event.wait()
+    try:
+        yield
+    finally:
+        with _writing_lock:
+            del _writing[name]
+        event.set()
+
+
+def _store(
+    storage: Storage,
+    key: str,
+    name: str,
+    data: memoryview,
+    stored_view: memoryview,
+    digests: bytes,
+    codec: str,
+    frames: tuple[int, ...],
+    raw_digests: bytes,
+) -> WrittenObject:
+    size = len(stored_view)
     row = {"codec": codec, "stored": size, "frames": frames, "raw_digests": raw_digests}
     try:
         if storage.stat(key) == size:
@@ -270,6 +310,17 @@ class Reader:
             a, z = max(start, b * bs), min(stop, b * bs + n)
             out[a - start : z - start] = block[a - b * bs : z - b * bs]
 
+    def _scatter_compressed(
+        self, o: int, segments: list[tuple[int, int, memoryview]], key: str
+    ) -> None:
+        """Decode the blocks covering all segments once, then copy each segment out."""
+        lo = min(a for a, _, _ in segments)
+        hi = max(z for _, z, _ in segments)
+        decoded = memoryview(bytearray(hi - lo))
+        self._read_compressed(o, lo, hi, decoded, key)
+        for a, z, out in segments:
+            out[:] = decoded[a - lo : z - lo]
+
     def read_object(self, o: int, start: int, stop: int, out: memoryview, key: str) -> None:
         """Fill ``out`` with bytes ``[start, stop)`` of object ``o``, every block verified.
 
@@ -309,8 +360,7 @@ class Reader:
         once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
         share blocks: this is what keeps a load from hashing one block per tensor."""
         if self.m.compressed(o):
-            for start, stop, out in segments:
-                self._read_compressed(o, start, stop, out, key)
+            self._scatter_compressed(o, segments, key)
             return
         bs = self.m.block_size
         size = int(self.m.object_sizes[o])

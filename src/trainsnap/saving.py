@@ -192,7 +192,7 @@ def write_assigned(
     with batch() if batch is not None else contextlib.nullcontext():
         written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
     report = WriteReport(objects=[w.manifest_row() for w in written])
-    report.bytes_new = sum(w.size for w in written if w.written)
+    report.bytes_new = sum(w.manifest_row()[4] for w in written if w.written)  # stored bytes
     n = len(assignment.entries)
     for j, (i, scope) in enumerate(assignment.entries):
         report.entries.append((i, scope, layout.chunks[j]))
