@@ -328,6 +328,11 @@ def fsync_dir(d: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def kv(d: dict[str, Any]) -> str:
+    """``k=v, k=v`` of a dict, for one-line reports (the machine line)."""
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
