@@ -158,3 +158,17 @@ def test_weights_only_saves_between_full_ones_say_their_level(tmp_path):
         latest = again.restore(ts.TrainState(m2, o2), level="weights")
         assert latest is not None and latest.step == 12
     assert torch.equal(m2.weight, model.weight)
+
+
+def test_ls_says_which_tiers_hold_each_snapshot(tmp_path):
+    from typer.testing import CliRunner
+
+    from trainsnap.cli import app
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    _run_two_tiers(local, remote, 11).close()
+    out = CliRunner().invoke(app, ["ls", str(remote), "--local", str(local)]).output
+    rows = {
+        line.split()[0]: line.split()[-1] for line in out.splitlines() if line[:5].strip().isdigit()
+    }
+    assert rows == {"5": "durable", "9": "local", "10": "local+durable", "11": "local"}

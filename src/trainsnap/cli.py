@@ -232,7 +232,11 @@ def _uncommitted(storage: Storage, known: set[str]) -> list[str]:
     return out
 
 
-def _snapshot_table(infos: Sequence[SnapshotInfo], verdicts: dict[str, str]) -> Table:
+def _snapshot_table(
+    infos: Sequence[SnapshotInfo],
+    verdicts: dict[str, str],
+    tiers: dict[str, list[str]] | None = None,
+) -> Table:
     table = _table()
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("id", no_wrap=True)
@@ -240,13 +244,17 @@ def _snapshot_table(infos: Sequence[SnapshotInfo], verdicts: dict[str, str]) -> 
     table.add_column("size", justify="right", no_wrap=True)
     table.add_column("level", no_wrap=True)
     table.add_column("verified", no_wrap=True)
+    if tiers is not None:
+        table.add_column("tiers", no_wrap=True)
     for i in infos:
         verdict = verdicts.get(i.id, "-")
         style = "red bold" if verdict == "CORRUPT" else ""
         created = _utc(i.created).removesuffix(" UTC")
-        table.add_row(
-            str(i.step), Text(i.id), created, _human(i.nbytes), Text(i.level), Text(verdict, style)
-        )
+        row: list[str | Text] = [str(i.step), Text(i.id), created, _human(i.nbytes)]
+        row += [Text(i.level), Text(verdict, style)]
+        if tiers is not None:
+            row.append(Text("+".join(tiers.get(i.id, []))))
+        table.add_row(*row)
     return table
 
 
@@ -257,12 +265,24 @@ def ls_command(
     verify: Annotated[
         bool, typer.Option("--verify", help="Re-read and check every snapshot listed.")
     ] = False,
+    local: Annotated[
+        str | None,
+        typer.Option(help="A local tier in front of ROOT: list both and say which holds what."),
+    ] = None,
 ) -> None:
-    """List the committed snapshots of ROOT, oldest step first."""
+    """List the committed snapshots of ROOT (and of a local tier), oldest step first."""
     storage = open_storage(root)
     damaged: list[TrainsnapError] = []
     found = commit.list_committed(storage, damaged)
     infos = [SnapshotInfo.from_marker(c.marker, storage.url) for c in found]
+    tiers: dict[str, list[str]] | None = None
+    if local is not None:
+        tiers = {c.snapshot_id: ["durable"] for c in found}
+        for c in commit.list_committed(open_storage(local)):
+            if c.snapshot_id not in tiers:
+                infos.append(SnapshotInfo.from_marker(c.marker, local))
+            tiers.setdefault(c.snapshot_id, []).insert(0, "local")
+        infos.sort(key=lambda i: (i.step, i.created, i.id))
     known = {c.snapshot_id for c in found} | {e.snapshot_id for e in damaged if e.snapshot_id}
     leftovers = _uncommitted(storage, known)
     out = _out()
@@ -273,7 +293,7 @@ def ls_command(
         if verify:
             report, _ = _verify(storage, None)
             verdicts = {s.id: "ok" if s.ok else "CORRUPT" for s in report.snapshots}
-        out.print(_snapshot_table(infos, verdicts))
+        out.print(_snapshot_table(infos, verdicts, tiers))
         total = sum(i.nbytes for i in infos)
         _say(f"{len(infos)} committed snapshot(s), sizes summing to {_human(total)}")
     if damaged:
