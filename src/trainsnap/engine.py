@@ -264,6 +264,7 @@ class Reader:
         )
 
     def _get(self, o: int, start: int, out: memoryview, key: str) -> None:
+        faults.point("load_read")
         try:
             self.storage.read_into(object_key(self.m.object_names[o]), start, out)
         except FileNotFoundError as e:

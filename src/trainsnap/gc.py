@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import commit, lease
+from . import commit, faults, lease
 from .errors import TrainsnapError
 from .manifest import manifest_key, marker_key
 from .storage.base import Storage
@@ -42,6 +42,7 @@ def delete_snapshot(storage: Storage, snapshot_id: str) -> None:
     """Uncommit (marker first), then remove the rest of the snapshot's files. Objects stay
     until a collection finds them unreferenced."""
     storage.delete(marker_key(snapshot_id))
+    faults.point("delete_uncommitted")  # the marker is gone: the snapshot is already uncommitted
     for key in list(storage.list(f"snapshots/{snapshot_id}/")):
         storage.delete(key)
     storage.delete(manifest_key(snapshot_id))
@@ -95,6 +96,7 @@ def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = F
         report.objects_deleted.append(name)
         report.bytes_freed += size
         if not dry_run:
+            faults.point("gc_delete")
             storage.delete(key)
     report.temporaries_deleted = _temporaries(storage, grace, now, dry_run)
     log.info(
