@@ -95,3 +95,36 @@ def test_a_save_after_a_crash_commits_and_reuses_what_survived(tmp_path):
     ts.load(dst, root)
     assert torch.equal(dst["w"], _expected(20)["w"])
     assert ts.verify(root).ok
+
+
+_COLLECT = textwrap.dedent(
+    """
+    import sys, trainsnap as ts
+    from trainsnap import gc
+    storage = ts.open_storage(sys.argv[1])
+    old = ts.list_snapshots(storage)[0]
+    gc.delete_snapshot(storage, old.id)
+    gc.collect(storage, grace=None)
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["delete_uncommitted", "gc_delete"])
+def test_sigkill_during_deletion_and_collection_breaks_nothing(tmp_path, point):
+    root = str(tmp_path)
+    for step in (10, 20):
+        assert _save_in_child(root, step, None).returncode == 0
+    env = dict(os.environ, TRAINSNAP_FAULTS=f"{point}=crash")
+    out = subprocess.run([sys.executable, "-c", _COLLECT, root], env=env, timeout=120)
+    assert out.returncode == -signal.SIGKILL
+    # The half-deleted snapshot is simply uncommitted; the other one is intact.
+    assert [s.step for s in ts.list_snapshots(root)] == [20]
+    dst = {"w": torch.zeros(256, 1024), "b": torch.zeros(64)}
+    ts.load(dst, root)
+    assert torch.equal(dst["w"], _expected(20)["w"])
+    # Collecting again finishes the job.
+    from trainsnap import gc
+
+    gc.collect(ts.open_storage(root), grace=None)
+    report = ts.verify(root)
+    assert report.ok and report.uncommitted == []
