@@ -31,11 +31,16 @@ Two parts, one process, CPU tensors:
    timing).
 
 2. **Slowdown while draining.** A compute-bound loop (1024x1024 fp32 matmuls, torch's default
-   intra-op threads, ~30-50 ms a step) is timed step by step: (a) with no save, (b) while an
-   asynchronous trainsnap save of the state drains (the save is started, then steps run until the
-   save is committed, plus a few more), (c) the same with ``io_threads=2``. Reported: the median
-   step time of each case, the slowdown, the drain's duration and the compute time lost to it.
-   With few cores the background hashing and writing compete with the compute threads.
+   intra-op threads, ~30-50 ms a step) is timed step by step around asynchronous trainsnap saves
+   of the state: ``--around`` steps with no save, the save, steps until it is committed (while it
+   drains), ``--around`` steps with no save again; with the default ``io_threads`` and with
+   ``io_threads=2``, alternating. Each save's slowdown is taken against the steps just around it
+   (so that a slow drift of the machine's load cancels); reported are the medians over the saves,
+   the drain's duration and the compute time lost to it. With few cores the background hashing
+   and writing compete with the compute threads.
+
+The machine's other load is reported (load averages; from ``/proc``, the CPU time other processes
+used during each part): on a shared machine it can dominate the timings.
 
 <io threads> is trainsnap's ``io_threads`` tunable (``TRAINSNAP_IO_THREADS`` overrides it).
 
@@ -106,8 +111,6 @@ TARGETS: dict[str, tuple[str, float]] = {
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load).*")
 warnings.filterwarnings("ignore", message=".*Ignoring pin_memory flag.*")
-
-EXTRA_STEPS = 3  # steps run after a drain ends, so that the last steps of the drain are whole
 
 
 # -- references ------------------------------------------------------------------------------------
@@ -444,11 +447,26 @@ class Drain:
     io_threads: int
     pause: float
     drain: float
+    before: list[float]  # steps with no save, just before it
     steps: list[float]  # steps that started before the save was committed
-    after: list[float]  # the steps after
+    after: list[float]  # steps with no save, just after it
+
+    @property
+    def base(self) -> float:
+        """The step time with no save around this one (median of the steps before and after)."""
+        return median(self.before + self.after)
+
+    @property
+    def lost(self) -> float:
+        """Compute seconds lost to this save while it drained."""
+        return sum(self.steps) - len(self.steps) * self.base
 
 
-def drain_run(comp: Compute, tsm: Trainsnap, state: State, d: Path, io_threads: int) -> Drain:
+def drain_run(
+    comp: Compute, tsm: Trainsnap, state: State, d: Path, io_threads: int, around: int
+) -> Drain:
+    """``around`` steps, then a save and steps until it is committed, then ``around`` steps."""
+    before = [comp.timed_step() for _ in range(around)]
     prev = tunables.get()
     tunables.set_for_testing(dataclasses.replace(prev, io_threads=io_threads))
     try:
@@ -465,80 +483,73 @@ def drain_run(comp: Compute, tsm: Trainsnap, state: State, d: Path, io_threads: 
         w = threading.Thread(target=watch, name="drain-watch", daemon=True)
         w.start()
         steps: list[float] = []
-        after: list[float] = []
         while not done:
             steps.append(comp.timed_step())
-        after = [comp.timed_step() for _ in range(EXTRA_STEPS)]
         w.join()
         h.wait()  # raises a failed save
     finally:
         tunables.set_for_testing(prev)
-    return Drain(io_threads, h.pause, done[0] - t_ret, steps, after)
+    after = [comp.timed_step() for _ in range(around)]
+    return Drain(io_threads, h.pause, done[0] - t_ret, before, steps, after)
 
 
 def measure_drain(
-    state: State, root: Path, tsm: Trainsnap, reps: int, base_steps: int
+    state: State, root: Path, tsm: Trainsnap, reps: int, around: int
 ) -> dict[str, Any]:
     comp = Compute()
     io_default = tunables.get().io_threads
-    modes: list[tuple[str, int | None]] = [
-        ("no save", None),
-        (f"io_threads={io_default}", io_default),
-    ]
+    modes = [(f"io_threads={io_default}", io_default)]
     if io_default != 2:
         modes.append(("io_threads=2", 2))
-    base: list[float] = []
-    drains: dict[str, list[Drain]] = {name: [] for name, n in modes if n is not None}
+    drains: dict[str, list[Drain]] = {name: [] for name, _ in modes}
     orders = []
     for rep in range(reps):
         order = rotated(modes, rep)
         orders.append([n for n, _ in order])
         for name, nio in order:
             gc.collect()
-            if nio is None:
-                base.extend(comp.timed_step() for _ in range(base_steps))
-                continue
             with fresh_dir(root, "drain-") as d:
-                drains[name].append(drain_run(comp, tsm, state, d, nio))
+                drains[name].append(drain_run(comp, tsm, state, d, nio, around))
         print(
-            f"drain rep {rep + 1}/{reps} [{' | '.join(orders[-1])}] no save "
-            f"{1e3 * median(base[-base_steps:]):.1f} ms/step  "
+            f"drain rep {rep + 1}/{reps} "
             + "  ".join(
-                f"{n}: {1e3 * median(ds[-1].steps):.1f} ms/step, drain {ds[-1].drain:.2f}s"
+                f"{n}: {1e3 * ds[-1].base:.1f} -> {1e3 * median(ds[-1].steps):.1f} ms/step, "
+                f"drain {ds[-1].drain:.2f}s"
                 for n, ds in drains.items()
-            ),
+            )
+            + "  (no save -> draining)",
             flush=True,
         )
-    base_med = median(base)
+    base = [x for ds in drains.values() for dr in ds for x in dr.before + dr.after]
     out: dict[str, Any] = {
         "step": {
             "matmul_n": comp.n,
             "matmuls_per_step": comp.k,
             "torch_threads": torch.get_num_threads(),
+            "steps_around_each_save": around,
         },
-        "no_save": {"step_s": base, "step_median_s": base_med},
+        "no_save": {"step_s": base, "step_median_s": median(base)},
         "orders": orders,
+        "cases": {},
     }
     for name, ds in drains.items():
         steps = [x for dr in ds for x in dr.steps]
-        after = [x for dr in ds for x in dr.after]
-        lost = [sum(dr.steps) - len(dr.steps) * base_med for dr in ds]
-        out[name] = {
+        out["cases"][name] = {
             "io_threads": ds[0].io_threads,
             "pause_s": [dr.pause for dr in ds],
             "drain_s": [dr.drain for dr in ds],
             "drain_median_s": median([dr.drain for dr in ds]),
             "steps_during_drain": [len(dr.steps) for dr in ds],
+            "no_save_step_median_s": [dr.base for dr in ds],
             "step_s": steps,
             "step_median_s": median(steps),
             "step_mean_s": sum(steps) / len(steps),
-            "after_median_s": median(after),
-            "slowdown_median": median(steps) / base_med,
-            "slowdown_mean": sum(steps) / len(steps) / base_med,
-            "lost_compute_s": lost,
-            "lost_fraction_of_drain": median(
-                [lo / dr.drain for lo, dr in zip(lost, ds, strict=True) if dr.drain > 0]
-            ),
+            "step_median_per_save_s": [median(dr.steps) for dr in ds],
+            # per save, against the steps just around it; then the median over the saves
+            "slowdown_median": median([median(dr.steps) / dr.base for dr in ds]),
+            "slowdown_mean": median([sum(dr.steps) / len(dr.steps) / dr.base for dr in ds]),
+            "lost_compute_s": [dr.lost for dr in ds],
+            "lost_fraction_of_drain": median([dr.lost / dr.drain for dr in ds if dr.drain > 0]),
         }
     return out
 
@@ -670,7 +681,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.skip_drain:
             print("part 2: slowdown while draining", flush=True)
             cpu2, t2 = _cpu_times(), time.perf_counter()
-            drain = measure_drain(state, root, tsm, args.reps, args.base_steps)
+            drain = measure_drain(state, root, tsm, args.reps, args.around)
             drain["contention"] = _others(cpu2, time.perf_counter() - t2)
         prof = profile_pause(state, root, tsm, args.profile) if args.profile else None
         tsm.close()
@@ -818,11 +829,9 @@ def report(out: dict[str, Any]) -> str:
         nan = float("nan")
         base_mean = sum(d["no_save"]["step_s"]) / len(d["no_save"]["step_s"])
         drows: list[list[object]] = [
-            ["no save", _ms(base), _ms(base_mean), 1.0, base_mean / base, nan, "-", nan, nan, nan]
+            ["no save", _ms(base), _ms(base_mean), 1.0, nan, nan, "-", nan, nan, nan]
         ]
-        for name, r in d.items():
-            if not isinstance(r, dict) or "io_threads" not in r:
-                continue  # not a drain case
+        for name, r in d["cases"].items():
             drows.append(
                 [
                     f"draining, {name}",
@@ -856,11 +865,27 @@ def report(out: dict[str, Any]) -> str:
             )
         )
         idle = res["trainsnap"].get("drain_median_s")
+        n = st["steps_around_each_save"]
         lines.append(
-            "  slowdown: step time while draining / step time with no save; lost: compute "
-            "seconds lost per save (sum of the drain's step times - their count x the no-save "
-            f"median); drain with the caller idle (part 1, io_threads="
-            f"{out['config']['io_threads']}): {idle:.2f}s"
+            f"  no save: the {n} steps just before and the {n} just after each save; slowdown: "
+            "per save, the median (mean) step time while it drains / the median of the steps "
+            "around it, then the median over the saves; lost: compute seconds lost per save "
+            "(the drain's step times - their count x the median around it); drain: from the "
+            "end of the pause to the commit, while the steps run"
+        )
+        lines.append(
+            f"  drain with the caller idle (part 1, io_threads={out['config']['io_threads']}): "
+            f"{idle:.2f}s; per save (no save -> draining, ms/step): "
+            + "; ".join(
+                f"{name}: "
+                + " ".join(
+                    f"{1e3 * b:.0f}->{1e3 * m:.0f}"
+                    for b, m in zip(
+                        r["no_save_step_median_s"], r["step_median_per_save_s"], strict=True
+                    )
+                )
+                for name, r in d["cases"].items()
+            )
         )
         lines.append("orders: " + "; ".join(" | ".join(o) for o in d["orders"]))
     if out["profile"]:
@@ -880,10 +905,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-dcp", action="store_true", help="no torch.distributed.checkpoint")
     p.add_argument("--skip-drain", action="store_true", help="part 1 only")
     p.add_argument(
-        "--base-steps",
+        "--around",
         type=int,
-        default=20,
-        help="compute steps timed with no save, per repetition (default 20)",
+        default=10,
+        help="compute steps timed with no save just before and after each save (default 10)",
     )
     p.add_argument(
         "--profile",
@@ -895,8 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")
-    if args.base_steps < 1:
-        p.error("--base-steps must be at least 1")
+    if args.around < 1:
+        p.error("--around must be at least 1")
 
     out = run(args)
     print(report(out))
