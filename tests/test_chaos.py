@@ -24,7 +24,7 @@ import torch
 import trainsnap as ts
 from chaos import blank, check_contract, expected, record, same, trials
 from harness import run_ranks
-from trainsnap import gc, manifest
+from trainsnap import gc, manifest, schema
 from trainsnap.checksum import Hasher
 from trainsnap.storage import PosixStorage, RetryingStorage
 from trainsnap.storage.faulty import FaultPlan, FaultyStorage
@@ -209,9 +209,9 @@ def test_preemption_during_a_save(tmp_path):
 
 def _reseal(root: Path, sid: str, edit) -> None:
     mpath = root / manifest.manifest_key(sid)
-    doc = json.loads(mpath.read_bytes())
+    doc, body = schema.unpack(mpath.read_bytes())
     edit(doc)
-    raw = json.dumps(doc).encode()
+    raw = schema.pack(doc, bytes(body))
     mpath.write_bytes(raw)
     kpath = root / manifest.marker_key(sid)
     mk = json.loads(kpath.read_bytes())

@@ -3,7 +3,6 @@ refused by load with the matching error kind."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from typer.testing import CliRunner
 
 import trainsnap as ts
 from trainsnap import manifest as mf
+from trainsnap import schema
 from trainsnap.cli import app
 
 
@@ -56,9 +56,9 @@ def remove_object(root: Path, sid: str) -> str:
 
 def edit_manifest(root: Path, sid: str) -> str:
     p = root / mf.manifest_key(sid)
-    doc = json.loads(p.read_bytes())
+    doc, body = schema.unpack(p.read_bytes())
     doc["step"] = doc["step"] + 1  # same size class, different bytes
-    p.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    p.write_bytes(schema.pack(doc, bytes(body)))
     return "manifest"
 
 

@@ -53,3 +53,30 @@ def test_format_v2_golden_with_compressed_objects_loads_bitwise_and_verifies(tmp
     assert torch.equal(state["optim"]["m"], torch.linspace(0, 1, 300, dtype=torch.float32))
     assert state["flag"].tolist() == [True, False, True] and state["extra"]["name"] == "golden"
     assert ts.verify(root).ok
+
+
+def test_format_v3_golden_binary_manifest_loads_bitwise_and_verifies(tmp_path):
+    root = tmp_path / "v3"
+    shutil.copytree(GOLDEN / "v3", root)
+    (info,) = ts.list_snapshots(root)
+    assert info.step == 42 and info.tokens_seen == 1000
+    raw = (root / ts.manifest.manifest_key(info.id, 3)).read_bytes()
+    assert (
+        raw.startswith(ts.schema.MAGIC) and (root / "snapshots" / info.id / "manifest.bin").exists()
+    )
+    m = ts.commit.open_snapshot(ts.open_storage(root), info.id)
+    assert m.format_version == 3 and {"bg4+zstd", "bg2+zstd", "zstd", "raw"} <= set(m.object_codecs)
+    assert m.versions["user"] == {"model": "golden-3"}
+    state = {
+        "model": {"w": torch.zeros(20, 30), "b": torch.zeros(7, dtype=torch.bfloat16)},
+        "optim": {"m": torch.zeros(300)},
+        "flag": torch.zeros(3, dtype=torch.bool),
+        "extra": {"lr": None, "betas": None, "name": None, "nan": None},
+    }
+    ts.load(state, root)
+    assert torch.equal(state["model"]["w"], torch.arange(600, dtype=torch.float32).reshape(20, 30))
+    assert torch.equal(state["model"]["b"], torch.arange(7, dtype=torch.bfloat16))
+    assert torch.equal(state["optim"]["m"], torch.linspace(0, 1, 300, dtype=torch.float32))
+    assert state["flag"].tolist() == [True, False, True] and state["extra"]["betas"] == (0.9, 0.95)
+    assert math.isnan(state["extra"]["nan"])
+    assert ts.verify(root).ok

@@ -61,26 +61,29 @@ def _template() -> dict[str, Any]:
     return _TEMPLATE
 
 
-def _materialise(root: Path, manifest: bytes | None, marker: bytes | None) -> str:
+def _materialise(
+    root: Path, manifest: bytes | None, marker: bytes | None, version: int = mf.FORMAT_VERSION
+) -> str:
     t = _template()
     sid = t["id"]
     for rel, data in t["files"].items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
     if manifest is not None:
-        (root / mf.manifest_key(sid)).write_bytes(manifest)
+        (root / mf.manifest_key(sid)).unlink()
+        (root / mf.manifest_key(sid, version)).write_bytes(manifest)
     if marker is not None:
         (root / mf.marker_key(sid)).write_bytes(marker)
     return sid
 
 
-def _reseal(manifest_bytes: bytes, sid: str) -> bytes:
+def _reseal(manifest_bytes: bytes, sid: str, version: int = mf.FORMAT_VERSION) -> bytes:
     """A marker that matches these manifest bytes, so validation goes past the checksum."""
     h = Hasher()
     return json.dumps(
         {
             "format": mf.MARKER_FORMAT,
-            "format_version": 1,
+            "format_version": version,
             "snapshot_id": sid,
             "manifest": {
                 "size": len(manifest_bytes),
@@ -120,6 +123,17 @@ def _int_array(values: list[int]) -> str:
     return base64.b64encode(np.array(values, "<i8").tobytes()).decode()
 
 
+def _manifest_doc() -> tuple[dict[str, Any], bytes]:
+    """The template's manifest as its header document and its body of tables."""
+    t = _template()
+    doc, body = schema.unpack(t["files"][mf.manifest_key(t["id"])])
+    return doc, bytes(body)
+
+
+def _column(ref: dict[str, int], body: bytes) -> bytes:
+    return body[ref["offset"] : ref["offset"] + ref["length"]]
+
+
 hostile_values = st.one_of(
     st.none(),
     st.booleans(),
@@ -133,6 +147,8 @@ hostile_values = st.one_of(
     st.lists(st.integers(-2, 40), max_size=6).map(_int_array),
     st.lists(st.integers(-2, 5), max_size=4),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    # format 3's references into the body: past its end, overlapping, misaligned, negative
+    st.fixed_dictionaries({"offset": st.integers(-8, 3000), "length": st.integers(-8, 3000)}),
 )
 
 
@@ -155,13 +171,12 @@ def _outcomes(root: Path, sid: str) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), reseal=st.booleans())
 def test_mutated_manifests_only_raise_trainsnap_errors(data, reseal):
-    t = _template()
-    sid = t["id"]
-    doc = json.loads(t["files"][mf.manifest_key(sid)])
+    sid = _template()["id"]
+    doc, body = _manifest_doc()
     path = data.draw(st.sampled_from(_paths(doc)))
     value = data.draw(hostile_values)
     doc = _set(copy.deepcopy(doc), path, value, delete=data.draw(st.booleans()))
-    raw = json.dumps(doc).encode()
+    raw = schema.pack(doc, body)
     with tempfile.TemporaryDirectory() as d:
         root = Path(d) / "root"
         outside = Path(d) / "outside"
@@ -170,6 +185,22 @@ def test_mutated_manifests_only_raise_trainsnap_errors(data, reseal):
         _materialise(root, raw, _reseal(raw, sid) if reseal else None)
         _outcomes(root, sid)
         assert (outside / "sentinel").read_text() == "keep"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), reseal=st.booleans())
+def test_damaged_manifest_bodies_only_raise_trainsnap_errors(data, reseal):
+    sid = _template()["id"]
+    doc, body = _manifest_doc()
+    damaged = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 4))):
+        damaged[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(body)))
+    raw = schema.pack(doc, bytes(damaged[:cut] if data.draw(st.booleans()) else damaged))
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d) / "root"
+        _materialise(root, raw, _reseal(raw, sid) if reseal else None)
+        _outcomes(root, sid)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -193,14 +224,58 @@ def test_garbage_bytes_are_corrupt_not_crashes(data):
         schema.decode(data, snapshot_id="step-000000000001-abcd")
     with pytest.raises(ts.TrainsnapError):
         marker.decode_marker(data, "step-000000000001-abcd")
+    with pytest.raises(ts.TrainsnapError):  # a format-3 header that is garbage
+        schema.decode(schema.MAGIC + data, snapshot_id="step-000000000001-abcd")
+
+
+def test_a_manifest_whose_container_contradicts_its_version_is_corrupt():
+    doc, body = _manifest_doc()
+    with pytest.raises(ts.CorruptError, match="claims format version 3 but is JSON"):
+        schema.decode(json.dumps(doc).encode())
+    doc["format_version"] = 2
+    with pytest.raises(ts.CorruptError, match="claims format version 2 but is binary"):
+        schema.decode(schema.pack(doc, body))
+
+
+def test_a_table_reference_past_the_body_is_corrupt_and_named():
+    doc, body = _manifest_doc()
+    doc["shards"]["geo"] = {"offset": len(body) - 8, "length": 64}
+    with pytest.raises(ts.CorruptError, match=r"shards\.geo.*run past the end"):
+        schema.decode(schema.pack(doc, body))
 
 
 def test_an_unknown_format_version_is_incompatible_and_says_upgrade():
-    t = _template()
-    doc = json.loads(t["files"][mf.manifest_key(t["id"])])
+    doc, body = _manifest_doc()
     doc["format_version"] = 99
     with pytest.raises(ts.IncompatibleError, match="Upgrade trainsnap"):
+        schema.decode(schema.pack(doc, body))
+    with pytest.raises(ts.IncompatibleError, match="Upgrade trainsnap"):
         schema.decode(json.dumps(doc).encode())
+
+
+def _as_json(doc: Any, body: bytes) -> Any:
+    """A format-3 header with its tables inlined in base64, as formats 1 and 2 hold them."""
+    if isinstance(doc, dict) and set(doc) == {"offset", "length"}:
+        return base64.b64encode(_column(doc, body)).decode()
+    if isinstance(doc, dict):
+        return {k: _as_json(v, body) for k, v in doc.items()}
+    return doc
+
+
+def test_a_format_2_manifest_still_reads_as_the_same_manifest(tmp_path):
+    sid = _template()["id"]
+    doc, body = _manifest_doc()
+    v2 = _as_json(doc, body)
+    v2["format_version"] = 2
+    raw = json.dumps(v2).encode()
+    _materialise(tmp_path, raw, _reseal(raw, sid, version=2), version=2)
+    assert (tmp_path / mf.manifest_key(sid, 2)).name == "manifest.json"
+    m = ts.commit.open_snapshot(ts.open_storage(tmp_path), sid)
+    assert m.format_version == 2
+    assert schema.encode(m) == schema.encode(schema.decode(schema.pack(doc, body)))
+    dst = {"w": torch.zeros(20, 30)}
+    ts.load(dst, tmp_path, snapshot=sid)
+    assert dst["w"].reshape(-1).tolist() == list(range(600))
 
 
 def test_a_round_trip_of_the_encoding_is_exact():
@@ -211,11 +286,11 @@ def test_a_round_trip_of_the_encoding_is_exact():
 
 
 def test_crafted_object_names_cannot_leave_the_root(tmp_path):
-    t = _template()
-    sid = t["id"]
-    doc = json.loads(t["files"][mf.manifest_key(sid)])
-    # Format 2 stores names as raw digest bytes, so no name can spell a path; format 1 (still
-    # read) stored strings: a crafted one must be refused.
+    sid = _template()["id"]
+    doc, body = _manifest_doc()
+    doc = _as_json(doc, body)
+    # Formats 2 and 3 store names as raw digest bytes, so no name can spell a path; format 1
+    # (still read) stored strings: a crafted one must be refused.
     objs = doc["objects"]
     names = base64.b64decode(objs["names"]).hex()
     doc["format_version"] = 1
@@ -231,7 +306,7 @@ def test_crafted_object_names_cannot_leave_the_root(tmp_path):
     dims = np.frombuffer(base64.b64decode(tens.pop("dims")), "<i8").tolist()
     tens["shapes"] = [dims[sum(ndim[:i]) : sum(ndim[: i + 1])] for i in range(len(ndim))]
     raw = json.dumps(doc).encode()
-    _materialise(tmp_path, raw, _reseal(raw, sid))
+    _materialise(tmp_path, raw, _reseal(raw, sid, version=1), version=1)
     with pytest.raises(ts.CorruptError, match="hex"):
         ts.load({"w": torch.zeros(20, 30)}, SpyStorage(tmp_path), snapshot=sid)
 

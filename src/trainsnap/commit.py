@@ -5,7 +5,7 @@ names a manifest of the size it records. The marker is written last:
 
 1. (all ranks) every object the manifest will reference is written (content-addressed, fsynced,
    renamed) and its size checked back;
-2. (coordinator) ``manifest.json`` is written whole;
+2. (coordinator) the manifest (``manifest.bin``) is written whole;
 3. (coordinator) the marker -- the manifest's size and checksum -- is written whole.
 
 A crash before step 3 leaves no marker: the snapshot does not exist for any reader, and its
@@ -24,7 +24,7 @@ from typing import Any
 
 from . import faults
 from .errors import CorruptError, IncompatibleError, IncompleteError, NotFoundError, TrainsnapError
-from .manifest import Manifest, check_snapshot_id, manifest_key, marker_key
+from .manifest import Manifest, check_snapshot_id, manifest_key, manifest_keys, marker_key
 from .marker import Marker, check_manifest_bytes, decode_marker, encode_marker
 from .schema import decode, encode
 from .storage.base import Storage
@@ -82,9 +82,7 @@ def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
     try:
         raw = storage.get(marker_key(snapshot_id))
     except FileNotFoundError:
-        try:
-            storage.stat(manifest_key(snapshot_id))
-        except FileNotFoundError:
+        if not any(_exists(storage, k) for k in manifest_keys(snapshot_id)):
             raise NotFoundError(
                 f"snapshot {snapshot_id} does not exist in {storage.url}; "
                 "`trainsnap ls` lists the committed ones",
@@ -99,35 +97,51 @@ def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
         ) from None
     marker = decode_marker(raw, snapshot_id)
     try:
-        size = storage.stat(manifest_key(snapshot_id))
+        size = storage.stat(marker.manifest_key)
     except FileNotFoundError:
         raise CorruptError(
             f"snapshot {snapshot_id} has a commit marker but no manifest: it was damaged after "
             "commit",
             snapshot_id=snapshot_id,
-            path=manifest_key(snapshot_id),
+            path=marker.manifest_key,
         ) from None
     if size != marker.manifest_size:
         raise CorruptError(
             f"manifest of snapshot {snapshot_id} is {size} bytes, its marker recorded "
             f"{marker.manifest_size}: changed or truncated after commit",
             snapshot_id=snapshot_id,
-            path=manifest_key(snapshot_id),
+            path=marker.manifest_key,
         )
     return marker
+
+
+def _exists(storage: Storage, key: str) -> bool:
+    try:
+        storage.stat(key)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def open_snapshot(storage: Storage, snapshot_id: str) -> Manifest:
     """The manifest of a committed snapshot, checked against its marker and validated."""
     marker = committed_marker(storage, snapshot_id)
     try:
-        data = storage.get(manifest_key(snapshot_id))
+        data = storage.get(marker.manifest_key)
     except FileNotFoundError:
         raise CorruptError(
             f"manifest of snapshot {snapshot_id} disappeared", snapshot_id=snapshot_id
         ) from None
     check_manifest_bytes(marker, data)
-    return decode(data, snapshot_id=snapshot_id)
+    m = decode(data, snapshot_id=snapshot_id)
+    if m.format_version != marker.format_version:
+        raise CorruptError(
+            f"snapshot {snapshot_id}: its marker says format {marker.format_version}, its "
+            f"manifest format {m.format_version}",
+            snapshot_id=snapshot_id,
+            path=marker.manifest_key,
+        )
+    return m
 
 
 def snapshot_ids(storage: Storage) -> set[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import commit, faults, lease
 from .errors import TrainsnapError
-from .manifest import manifest_key, marker_key
+from .manifest import manifest_keys, marker_key
 from .storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def delete_snapshot(storage: Storage, snapshot_id: str) -> None:
     faults.point("delete_uncommitted")  # the marker is gone: the snapshot is already uncommitted
     for key in list(storage.list(f"snapshots/{snapshot_id}/")):
         storage.delete(key)
-    storage.delete(manifest_key(snapshot_id))
+    for key in manifest_keys(snapshot_id):  # a listing may lag behind the writes
+        storage.delete(key)
 
 
 def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = False) -> GcReport:

@@ -35,8 +35,10 @@ from .spec import Box, Flat, Region, Shape
 
 FORMAT: Final = "trainsnap.manifest"
 MARKER_FORMAT: Final = "trainsnap.marker"
-FORMAT_VERSION: Final = 2
-READABLE_VERSIONS: Final = (1, 2)
+FORMAT_VERSION: Final = 3
+READABLE_VERSIONS: Final = (1, 2, 3)
+MANIFEST_NAMES: Final = {1: "manifest.json", 2: "manifest.json", 3: "manifest.bin"}
+"""The manifest's file name in a snapshot, by format version (format 3 is binary)."""
 LEVELS: Final = ("weights", "training", "strict")
 STATE_KINDS: Final = ("model", "optimizer", "scheduler", "scaler", "rng", "data", "extra")
 OBJECT_CODECS: Final = ("raw", "zstd", "bg2+zstd", "bg4+zstd", "bg8+zstd")
@@ -66,8 +68,15 @@ def object_key(name: str) -> str:
     return f"objects/{name[:2]}/{name}"
 
 
-def manifest_key(snapshot_id: str) -> str:
-    return f"snapshots/{snapshot_id}/manifest.json"
+def manifest_key(snapshot_id: str, version: int = FORMAT_VERSION) -> str:
+    """Storage key of the manifest of a snapshot of format ``version`` (its marker says which)."""
+    return f"snapshots/{snapshot_id}/{MANIFEST_NAMES.get(version, MANIFEST_NAMES[FORMAT_VERSION])}"
+
+
+def manifest_keys(snapshot_id: str) -> list[str]:
+    """Every key a manifest of any readable version may have, the current one first."""
+    names = dict.fromkeys([MANIFEST_NAMES[FORMAT_VERSION], *MANIFEST_NAMES.values()])
+    return [f"snapshots/{snapshot_id}/{n}" for n in names]
 
 
 def marker_key(snapshot_id: str) -> str:

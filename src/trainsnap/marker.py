@@ -34,6 +34,12 @@ class Marker:
     algorithm: str
     summary: Mapping[str, Any]
     writer: Mapping[str, Any]
+    format_version: int = FORMAT_VERSION
+    """The snapshot's format version: it names the manifest's key."""
+
+    @property
+    def manifest_key(self) -> str:
+        return manifest_key(self.snapshot_id, self.format_version)
 
 
 def encode_marker(m: Manifest, manifest_bytes: bytes, writer: Mapping[str, Any]) -> bytes:
@@ -80,6 +86,7 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
             algorithm=algorithm,
             summary=summary,
             writer=as_dict(doc.get("writer", {}), "writer"),
+            format_version=doc["format_version"],
         )
     except TrainsnapError:
         raise
@@ -129,7 +136,7 @@ def check_manifest_bytes(marker: Marker, data: bytes) -> None:
             f"manifest of snapshot {marker.snapshot_id} is {len(data)} bytes, the commit marker "
             f"recorded {marker.manifest_size}: it was changed or truncated after commit",
             snapshot_id=marker.snapshot_id,
-            path=manifest_key(marker.snapshot_id),
+            path=marker.manifest_key,
         )
     digest = Hasher(marker.algorithm).digest(data).hex()
     if digest != marker.manifest_digest:
@@ -137,5 +144,5 @@ def check_manifest_bytes(marker: Marker, data: bytes) -> None:
             f"manifest of snapshot {marker.snapshot_id} does not match the checksum its commit "
             "marker recorded: it was changed after commit",
             snapshot_id=marker.snapshot_id,
-            path=manifest_key(marker.snapshot_id),
+            path=marker.manifest_key,
         )

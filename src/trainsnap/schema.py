@@ -1,8 +1,10 @@
-"""Encoding, decoding and validation of manifests (the JSON document and its columnar tables).
+"""Encoding, decoding and validation of manifests (a JSON header and its columnar tables).
 
 Pure: no I/O. Scalars and small tables are plain JSON; the large tables (shards, chunks, block
-digests) are little-endian int64 arrays in base64, so that a manifest of 10^5 tensors and 10^6
-shards decodes in well under a second and every index is checked with vectorised bounds tests.
+digests) are little-endian int64 arrays (or raw digest bytes) in a binary body after the header
+(format 3; formats 1 and 2, still read, held them in base64 inside one JSON document), so that a
+manifest of 10^5 tensors and 10^6 shards decodes in well under a second and every index is
+checked with vectorised bounds tests.
 Unknown versions, algorithms and codecs are :class:`IncompatibleError` (a newer writer); anything
 else malformed is :class:`CorruptError`.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import struct
 from typing import Any, Final
 
 import numpy as np
@@ -44,21 +47,58 @@ def as_dict(v: object, what: str) -> dict[str, Any]:
 
 # -- encoding -------------------------------------------------------------------------------------
 
+MAGIC: Final = b"\x89TSNAPM\n"
+"""The first 8 bytes of a format-3 manifest (formats 1 and 2 are JSON: they start with ``{``)."""
+_HEAD: Final = struct.Struct("<8sQ")  # magic, header length
 
-def _arr(a: I64) -> str:
-    return base64.b64encode(np.ascontiguousarray(a, dtype="<i8").tobytes()).decode("ascii")
+
+class _Tables:
+    """Format 3: the large columns, laid end to end (each aligned to 8 bytes) in the body that
+    follows the JSON header; the header refers to each by ``{"offset", "length"}`` in bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, data: bytes) -> dict[str, int]:
+        ref = {"offset": self.size, "length": len(data)}
+        pad = -len(data) % 8
+        self.parts += [data, bytes(pad)] if pad else [data]
+        self.size += len(data) + pad
+        return ref
+
+    def i64(self, a: I64) -> dict[str, int]:
+        return self.add(np.ascontiguousarray(a, dtype="<i8").tobytes())
 
 
-def _unarr(s: object, what: str) -> I64:
-    if not isinstance(s, str):
-        raise ValueError(f"{what}: expected a base64 string")
-    raw = base64.b64decode(s, validate=True)
-    if len(raw) % 8:
-        raise ValueError(f"{what}: {len(raw)} bytes is not a whole number of int64")
-    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+def pack(doc: dict[str, Any], body: bytes | list[bytes]) -> bytes:
+    """A format-3 manifest from its header document and its body (the tables).
+
+    The header is padded with spaces so that the body starts at a multiple of 8 bytes."""
+    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    header += b" " * (-(_HEAD.size + len(header)) % 8)
+    return b"".join(
+        [_HEAD.pack(MAGIC, len(header)), header, *([body] if isinstance(body, bytes) else body)]
+    )
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """The header document and the body of a format-3 manifest (``ValueError`` if it is not
+    one)."""
+    if len(data) < _HEAD.size or data[:8] != MAGIC:
+        raise ValueError("not a binary trainsnap manifest (bad magic)")
+    _, n = _HEAD.unpack_from(data)
+    if n > len(data) - _HEAD.size:
+        raise ValueError(f"header of {n} bytes runs past the end of the {len(data)}-byte manifest")
+    doc = json.loads(data[_HEAD.size : _HEAD.size + n])
+    if not isinstance(doc, dict):
+        raise ValueError("the header is not a JSON object")
+    return doc, memoryview(data)[_HEAD.size + n :]
 
 
 def encode(m: Manifest) -> bytes:
+    """The manifest in the current format (3): a JSON header and a binary body of tables."""
+    t = _Tables()
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -75,88 +115,106 @@ def encode(m: Manifest) -> bytes:
         "parent": m.parent,
         "meta": m.meta,
         "checksum": {"algorithm": m.algorithm, "block_size": m.block_size},
-        "objects": _encode_objects(m),
+        "objects": {
+            "names": t.add(bytes.fromhex("".join(m.object_names))),
+            "sizes": t.i64(m.object_sizes),
+            "stored": t.i64(m.stored()),
+            "codecs": t.i64(np.array([OBJECT_CODECS.index(c) for c in m.object_codecs], np.int64)),
+            "blocks": t.add(m.blocks),
+            "frames": t.i64(m.frames),
+            "raw_blocks": t.add(m.raw_blocks),
+        },
         "chunks": {
-            "object": _arr(m.chunk_object),
-            "offset": _arr(m.chunk_offset),
-            "length": _arr(m.chunk_length),
+            "object": t.i64(m.chunk_object),
+            "offset": t.i64(m.chunk_offset),
+            "length": t.i64(m.chunk_length),
         },
         "tensors": {
             "keys": m.tensor_keys,
-            "ranks": _arr(m.tensor_ranks),
+            "ranks": t.i64(m.tensor_ranks),
             "dtypes": m.tensor_dtypes,
-            "ndim": _arr(np.array([len(t) for t in m.tensor_shapes], np.int64)),
-            "dims": _arr(np.array([d for t in m.tensor_shapes for d in t], np.int64)),
-            "nshards": _arr(m.tensor_nshards),
+            "ndim": t.i64(np.array([len(s) for s in m.tensor_shapes], np.int64)),
+            "dims": t.i64(np.array([d for s in m.tensor_shapes for d in s], np.int64)),
+            "nshards": t.i64(m.tensor_nshards),
         },
         "shards": {
-            "kind": _arr(m.shard_kind),
-            "geo": _arr(m.shard_geo),
-            "nchunks": _arr(m.shard_nchunks),
+            "kind": t.i64(m.shard_kind),
+            "geo": t.i64(m.shard_geo),
+            "nchunks": t.i64(m.shard_nchunks),
         },
         "values": {
             "keys": m.value_keys,
-            "ranks": _arr(m.value_ranks),
+            "ranks": t.i64(m.value_ranks),
             "codecs": m.value_codecs,
-            "nchunks": _arr(m.value_nchunks),
+            "nchunks": t.i64(m.value_nchunks),
         },
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return pack(doc, t.parts)
 
 
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode("ascii")
+# -- decoding -------------------------------------------------------------------------------------
 
 
-def _encode_objects(m: Manifest) -> dict[str, Any]:
-    """Format 2: names as their raw digest bytes and codecs as numbers, so that half a million
-    objects decode without half a million JSON strings."""
-    codec_ids = np.array([OBJECT_CODECS.index(c) for c in m.object_codecs], np.int64)
-    return {
-        "names": _b64(bytes.fromhex("".join(m.object_names))),
-        "sizes": _arr(m.object_sizes),
-        "stored": _arr(m.stored()),
-        "codecs": _arr(codec_ids),
-        "blocks": _b64(m.blocks),
-        "frames": _arr(m.frames),
-        "raw_blocks": _b64(m.raw_blocks),
-    }
+class _Columns:
+    """Reads the large columns of a manifest: base64 strings in formats 1 and 2, references
+    into the binary body in format 3."""
+
+    def __init__(self, body: memoryview | None) -> None:
+        self.body = body
+
+    def view(self, v: object, what: str) -> bytes | memoryview:
+        if self.body is None:
+            if not isinstance(v, str):
+                raise ValueError(f"{what}: expected a base64 string")
+            return base64.b64decode(v, validate=True)
+        if not isinstance(v, dict) or set(v) != {"offset", "length"}:
+            raise ValueError(f"{what}: expected a table reference {{offset, length}}")
+        o, n = v["offset"], v["length"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (o, n)):
+            raise ValueError(f"{what}: offset and length must be non-negative integers")
+        if o + n > len(self.body):
+            raise ValueError(
+                f"{what}: bytes [{o}, {o + n}) run past the end of the {len(self.body)}-byte body"
+            )
+        return self.body[o : o + n]
+
+    def raw(self, v: object, what: str) -> bytes:
+        return bytes(self.view(v, what))
+
+    def i64(self, v: object, what: str) -> I64:
+        raw = self.view(v, what)
+        if len(raw) % 8:
+            raise ValueError(f"{what}: {len(raw)} bytes is not a whole number of int64")
+        return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
-def _decode_objects(objs: dict[str, Any], version: int, algorithm: str) -> dict[str, Any]:
-    blocks = objs["blocks"]
-    if not isinstance(blocks, str):
-        raise ValueError("objects.blocks: expected a base64 string")
+def _decode_objects(
+    objs: dict[str, Any], version: int, algorithm: str, cols: _Columns
+) -> dict[str, Any]:
     if version == 1:
         return {
             "object_names": _strs(objs["names"], "objects.names"),
-            "object_sizes": _unarr(objs["sizes"], "objects.sizes"),
+            "object_sizes": cols.i64(objs["sizes"], "objects.sizes"),
             "object_codecs": _strs(objs["codecs"], "objects.codecs"),
-            "blocks": base64.b64decode(blocks, validate=True),
+            "blocks": cols.raw(objs["blocks"], "objects.blocks"),
         }
     width = Hasher(algorithm).digest_size
-    names = objs["names"]
-    if not isinstance(names, str):
-        raise ValueError("objects.names: expected a base64 string")
-    raw = base64.b64decode(names, validate=True)
+    raw = cols.view(objs["names"], "objects.names")
     if len(raw) % width:
         raise ValueError(f"objects.names: {len(raw)} bytes is not a whole number of digests")
     hexed = raw.hex()
     step = 2 * width
-    ids = _unarr(objs["codecs"], "objects.codecs")
+    ids = cols.i64(objs["codecs"], "objects.codecs")
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(OBJECT_CODECS)):
         raise IncompatibleError("an object codec unknown to this trainsnap; upgrade it")
-    raw_blocks = objs["raw_blocks"]
-    if not isinstance(raw_blocks, str):
-        raise ValueError("objects.raw_blocks: expected a base64 string")
     return {
         "object_names": [hexed[i : i + step] for i in range(0, len(hexed), step)],
-        "object_sizes": _unarr(objs["sizes"], "objects.sizes"),
-        "object_stored": _unarr(objs["stored"], "objects.stored"),
-        "object_codecs": [OBJECT_CODECS[i] for i in ids.tolist()],
-        "blocks": base64.b64decode(blocks, validate=True),
-        "frames": _unarr(objs["frames"], "objects.frames"),
-        "raw_blocks": base64.b64decode(raw_blocks, validate=True),
+        "object_sizes": cols.i64(objs["sizes"], "objects.sizes"),
+        "object_stored": cols.i64(objs["stored"], "objects.stored"),
+        "object_codecs": np.array(OBJECT_CODECS, dtype=object)[ids].tolist(),
+        "blocks": cols.raw(objs["blocks"], "objects.blocks"),
+        "frames": cols.i64(objs["frames"], "objects.frames"),
+        "raw_blocks": cols.raw(objs["raw_blocks"], "objects.raw_blocks"),
     }
 
 
@@ -164,11 +222,15 @@ def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
     """Parse and validate; raise :class:`IncompatibleError` for a format this reader does not
     know and :class:`CorruptError` for anything malformed."""
     sid = snapshot_id or "?"
+    body: memoryview | None = None
     try:
-        doc = json.loads(data)
+        if data[:8] == MAGIC:
+            doc, body = unpack(data)
+        else:
+            doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptError(
-            f"manifest of snapshot {sid} is not valid JSON: {e}", snapshot_id=snapshot_id
+            f"manifest of snapshot {sid} is not a valid manifest: {e}", snapshot_id=snapshot_id
         ) from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptError(f"manifest of snapshot {sid} is not a trainsnap manifest")
@@ -179,8 +241,14 @@ def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
             f"versions {list(READABLE_VERSIONS)}. Upgrade trainsnap to read it.",
             snapshot_id=snapshot_id,
         )
+    if (body is None) != (version < 3):
+        raise CorruptError(
+            f"manifest of snapshot {sid} claims format version {version} but is "
+            f"{'JSON' if body is None else 'binary'}",
+            snapshot_id=snapshot_id,
+        )
     try:
-        m = _from_doc(doc)
+        m = _from_doc(doc, _Columns(body))
     except TrainsnapError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -217,8 +285,8 @@ def _opt_int(v: object, what: str) -> int | None:
     return v
 
 
-def _decode_shapes(tens: dict[str, Any], version: int) -> list[tuple[int, ...]]:
-    """Format 2 stores shapes as two int64 columns (rank of each tensor, all dimensions)."""
+def _decode_shapes(tens: dict[str, Any], version: int, cols: _Columns) -> list[tuple[int, ...]]:
+    """Formats 2 and 3 store shapes as two int64 columns (rank of each tensor, all dimensions)."""
     if version == 1:
         shapes = tens["shapes"]
         if not isinstance(shapes, list) or not all(
@@ -227,8 +295,8 @@ def _decode_shapes(tens: dict[str, Any], version: int) -> list[tuple[int, ...]]:
         ):
             raise ValueError("tensors.shapes: expected a list of integer lists")
         return [tuple(s) for s in shapes]
-    ndim = _unarr(tens["ndim"], "tensors.ndim")
-    dims = _unarr(tens["dims"], "tensors.dims").tolist()
+    ndim = cols.i64(tens["ndim"], "tensors.ndim")
+    dims = cols.i64(tens["dims"], "tensors.dims").tolist()
     if len(ndim) and (int(ndim.min()) < 0 or int(ndim.sum()) != len(dims)):
         raise ValueError("tensors.ndim and tensors.dims disagree")
     ends = np.cumsum(ndim).tolist()
@@ -236,14 +304,14 @@ def _decode_shapes(tens: dict[str, Any], version: int) -> list[tuple[int, ...]]:
     return [tuple(dims[a:b]) for a, b in zip(starts, ends, strict=True)]
 
 
-def _from_doc(doc: dict[str, Any]) -> Manifest:
+def _from_doc(doc: dict[str, Any], cols: _Columns) -> Manifest:
     ck = as_dict(doc["checksum"], "checksum")
     objs = as_dict(doc["objects"], "objects")
     ch = as_dict(doc["chunks"], "chunks")
     tens = as_dict(doc["tensors"], "tensors")
     sh = as_dict(doc["shards"], "shards")
     vals = as_dict(doc["values"], "values")
-    shapes = _decode_shapes(tens, int(doc["format_version"]))
+    shapes = _decode_shapes(tens, int(doc["format_version"]), cols)
     kinds = as_dict(doc["state_kinds"], "state_kinds")
     step = doc["step"]
     if isinstance(step, bool) or not isinstance(step, int):
@@ -254,7 +322,7 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
     parent = doc.get("parent")
     if parent is not None:
         check_snapshot_id(parent)
-    objects = _decode_objects(objs, int(doc["format_version"]), str(ck["algorithm"]))
+    objects = _decode_objects(objs, int(doc["format_version"]), str(ck["algorithm"]), cols)
     return Manifest(
         format_version=doc["format_version"],
         snapshot_id=check_snapshot_id(doc["snapshot_id"]),
@@ -272,21 +340,21 @@ def _from_doc(doc: dict[str, Any]) -> Manifest:
         parent=parent,
         meta=as_dict(doc.get("meta", {}), "meta"),
         **objects,
-        chunk_object=_unarr(ch["object"], "chunks.object"),
-        chunk_offset=_unarr(ch["offset"], "chunks.offset"),
-        chunk_length=_unarr(ch["length"], "chunks.length"),
+        chunk_object=cols.i64(ch["object"], "chunks.object"),
+        chunk_offset=cols.i64(ch["offset"], "chunks.offset"),
+        chunk_length=cols.i64(ch["length"], "chunks.length"),
         tensor_keys=_strs(tens["keys"], "tensors.keys"),
-        tensor_ranks=_unarr(tens["ranks"], "tensors.ranks"),
+        tensor_ranks=cols.i64(tens["ranks"], "tensors.ranks"),
         tensor_dtypes=_strs(tens["dtypes"], "tensors.dtypes"),
         tensor_shapes=shapes,
-        tensor_nshards=_unarr(tens["nshards"], "tensors.nshards"),
-        shard_kind=_unarr(sh["kind"], "shards.kind"),
-        shard_geo=_unarr(sh["geo"], "shards.geo"),
-        shard_nchunks=_unarr(sh["nchunks"], "shards.nchunks"),
+        tensor_nshards=cols.i64(tens["nshards"], "tensors.nshards"),
+        shard_kind=cols.i64(sh["kind"], "shards.kind"),
+        shard_geo=cols.i64(sh["geo"], "shards.geo"),
+        shard_nchunks=cols.i64(sh["nchunks"], "shards.nchunks"),
         value_keys=_strs(vals["keys"], "values.keys"),
-        value_ranks=_unarr(vals["ranks"], "values.ranks"),
+        value_ranks=cols.i64(vals["ranks"], "values.ranks"),
         value_codecs=_strs(vals["codecs"], "values.codecs"),
-        value_nchunks=_unarr(vals["nchunks"], "values.nchunks"),
+        value_nchunks=cols.i64(vals["nchunks"], "values.nchunks"),
     )
 
 

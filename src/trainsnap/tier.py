@@ -146,7 +146,8 @@ def promote(src: Storage, dst: Storage, snapshot_id: str, fence: object = None) 
     faults.point("promote_manifest")
     if callable(fence):
         fence()
-    dst.put(manifest_key(snapshot_id), src.get(manifest_key(snapshot_id)))
+    key = manifest_key(snapshot_id, m.format_version)
+    dst.put(key, src.get(key))
     faults.point("promote_marker")
     if callable(fence):
         fence()
