@@ -18,6 +18,12 @@ Three parts, all in one default run:
 2. **Reshard.** The last 4-rank checkpoints of part 1 are loaded on 2 ranks (mesh (2, 1): each
    rank holds the [Replicate(), Shard(d)] weights whole and half of the [Shard(0), Shard(1)]
    ones), alternating methods, evicted before each load, checked once.
+
+   **The limit** of both loads (``raw`` in the output): after the loads of each repetition, the
+   byte ranges of trainsnap's object files that this rank's ``ts.load`` reads (found with
+   trainsnap's own load planner, merged, cut at 32 MiB) are read again, evicted first, with
+   ``preadv`` into one preallocated buffer on the same number of threads, with no checksums and
+   no placement: what the disk and the page cache allow for the same bytes on the same ranks.
 3. **Planner simulation** (no processes, no data): the descriptions of 4,096 ranks (TP 8 x PP 16
    x DP 32) of a ~185 B-parameter model (20,000 2-D bf16 parameters, TP-sharded, replicated over
    DP; fp32 Adam moments held ZeRO-1 style, each DP rank owning whole TP-local parameters) are
@@ -291,6 +297,88 @@ def _load(method: str, state: dict[str, Any], d: Path) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(d))
 
 
+def _raw_plan(
+    d: Path, dst: dict[str, Any], rank: int, same_world: bool
+) -> list[tuple[str, int, int]]:
+    """The limit of a load: the byte ranges of the snapshot's object files that this rank's
+    ``ts.load`` of ``dst`` reads (found with trainsnap's own load planner), merged per object and
+    cut at 32 MiB, as (path, offset, length)."""
+    from trainsnap import loading
+    from trainsnap.capture import targets
+    from trainsnap.engine import Reader
+    from trainsnap.manifest import object_key
+
+    storage = ts.open_storage(d)
+    (info,) = ts.list_snapshots(storage)
+    m = commit.open_snapshot(storage, info.id)
+    reader = Reader(storage, m)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    indexes: dict[int, Any] = {}
+    for dest, ti in loading.match(m, targets(dst), rank, same_world):
+        for shard, pieces in loading._overlaps(m, ti, dest.item.region, indexes):
+            for piece in pieces:
+                lo, hi = piece.src_span()
+                for o, oo, _, n in reader.payload_runs(
+                    shard, lo * dest.itemsize, hi * dest.itemsize
+                ):
+                    spans.setdefault(o, []).append((oo, oo + n))
+    plan = []
+    for o, rs in spans.items():
+        path = str(d / object_key(m.object_names[o]))
+        rs.sort()
+        merged = [list(rs[0])]
+        for a, z in rs[1:]:
+            if a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], z)
+            else:
+                merged.append([a, z])
+        for a, z in merged:
+            plan += [(path, x, min(z, x + RAW_PIECE) - x) for x in range(a, z, RAW_PIECE)]
+    return plan
+
+
+RAW_PIECE = 32 * MiB
+
+
+def _raw_read(plan: list[tuple[str, int, int]], buf: memoryview, threads: int) -> None:
+    """Read every range of ``plan`` into consecutive parts of ``buf`` (``preadv``, ``threads``
+    threads, no verification, no placement)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(job: tuple[str, int, int, int]) -> None:
+        path, offset, length, at = job
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [buf[at + done : at + length]], offset + done)
+                if n <= 0:
+                    raise OSError(f"{path}: short read at {offset + done}")
+                done += n
+        finally:
+            os.close(fd)
+
+    jobs, at = [], 0
+    for path, offset, length in plan:
+        jobs.append((path, offset, length, at))
+        at += length
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, jobs))
+
+
+def _raw_phase(rank: int, d: Path, dst: dict[str, Any], same_world: bool, bufs: dict) -> float:
+    """Evict, then time the raw reads of what this rank's load of ``d`` reads (``bufs`` keeps
+    the destination buffer between repetitions, touched, as a load's destination is)."""
+    plan = _raw_plan(d, dst, rank, same_world)
+    size = sum(n for _, _, n in plan)
+    if bufs.get("size", -1) < size:
+        bufs["buf"] = memoryview(bytearray(size))  # zero-filled: every page touched
+        bufs["size"] = size
+    bufs["bytes"] = size
+    _evict_for_load(rank, d)
+    return _phase(lambda: _raw_read(plan, bufs["buf"], tunables.get().io_threads))
+
+
 def _phase(fn: Callable[[], object]) -> float:
     """This rank's time for ``fn``, started together with every rank (barrier before) and
     followed by a barrier, so that phases never overlap. Rank 0 first flushes what earlier work
@@ -353,6 +441,8 @@ def sharded_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     resident: dict[str, list[float | None]] = {m: [] for m in METHODS}
     disk: dict[str, tuple[int, int]] = {}
     checked: dict[str, int] = {}
+    raw_s: list[float] = []
+    raw_bufs: dict[str, Any] = {}
     orders = []
     for rep in range(reps):
         order = rotated(METHODS, rep - warmup)  # the first timed repetition starts with trainsnap
@@ -369,6 +459,7 @@ def sharded_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             load_s[m].append(_phase(lambda m=m, d=dirs[m]: _load(m, dst, d)))
             if rep == 0:
                 checked[m] = check_state(specs, dst, mesh, f"{m} load, rank {rank}")
+        raw_s.append(_raw_phase(rank, dirs["trainsnap"], dst, True, raw_bufs))
         dist.barrier()
         if rank == 0:
             for m, d in dirs.items():
@@ -384,6 +475,8 @@ def sharded_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "build_s": build_s,
         "save_s": save_s,
         "load_s": load_s,
+        "raw_load_s": raw_s,
+        "raw_bytes": raw_bufs["bytes"],
         "resident_before_load": resident,
         "disk": disk,
         "checked_bytes": checked,
@@ -404,6 +497,8 @@ def reshard_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     load_s: dict[str, list[float]] = {m: [] for m in METHODS}
     resident: dict[str, list[float | None]] = {m: [] for m in METHODS}
     checked: dict[str, int] = {}
+    raw_s: list[float] = []
+    raw_bufs: dict[str, Any] = {}
     orders = []
     for rep in range(cfg["warmup"] + cfg["reps"]):
         order = rotated(METHODS, rep - cfg["warmup"])
@@ -415,10 +510,13 @@ def reshard_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             load_s[m].append(_phase(lambda m=m, d=d: _load(m, dst, d)))
             if rep == 0:
                 checked[m] = check_state(specs, dst, mesh, f"{m} resharded load, rank {rank}")
+        raw_s.append(_raw_phase(rank, root / "trainsnap-last", dst, False, raw_bufs))
     return {
         "rank": rank,
         "local_bytes": local_nbytes(dst),
         "load_s": load_s,
+        "raw_load_s": raw_s,
+        "raw_bytes": raw_bufs["bytes"],
         "resident_before_load": resident,
         "checked_bytes": checked,
         "orders": orders,
@@ -441,6 +539,11 @@ def _results(per_rank: list[dict[str, Any]], fields: tuple[str, ...], warmup: in
         slow = _slowest(per_rank, f)
         out[f] = {m: xs[warmup:] for m, xs in slow.items()}
         out[f"warmup_{f}"] = {m: xs[:warmup] for m, xs in slow.items()}
+    if "raw_load_s" in per_rank[0]:
+        n = len(per_rank[0]["raw_load_s"])
+        slow_raw = [max(r["raw_load_s"][i] for r in per_rank) for i in range(n)]
+        out["raw_load_s"], out["warmup_raw_load_s"] = slow_raw[warmup:], slow_raw[:warmup]
+        out["raw_bytes"] = [r["raw_bytes"] for r in per_rank]
     out["orders"] = per_rank[0]["orders"][warmup:]
     out["warmup_orders"] = per_rank[0]["orders"][:warmup]
     return out
@@ -738,14 +841,19 @@ def summarize(out: dict[str, Any]) -> None:
         for m in METHODS:
             s[f"save/{m}"] = median(sh["save_s"][m])
             s[f"load/{m}"] = median(sh["load_s"][m])
+        s["load/raw"] = median(sh["raw_load_s"])
     rs = out["io"].get("reshard")
     if rs:
         for m in METHODS:
             s[f"reshard_load/{m}"] = median(rs["load_s"][m])
+        s["reshard_load/raw"] = median(rs["raw_load_s"])
     ratios = {}
     for op in IO_TARGETS:
         if f"{op}/trainsnap" in s:
             ratios[op] = s[f"{op}/trainsnap"] / s[f"{op}/dcp"]
+        if f"{op}/raw" in s:
+            ratios[f"{op}_vs_raw"] = s[f"{op}/trainsnap"] / s[f"{op}/raw"]
+            ratios[f"{op}_dcp_vs_raw"] = s[f"{op}/dcp"] / s[f"{op}/raw"]
     speeds = {k: gbps(nbytes, v) for k, v in s.items()}
     out["io_summary"] = {"medians_s": s, "ratios": ratios, "GBps": speeds}
 
@@ -795,6 +903,7 @@ def _report_io(out: dict[str, Any], checks: list[list[object]]) -> list[str]:
     lines += ["", "individual times (s, slowest rank, in repetition order):"]
     lines.append(format_table(["phase", "times", "warm-up (not counted)"], trows))
     lines.append("orders: " + "; ".join(" ".join(o) for o in sh["orders"]))
+    lines.append(_raw_line(sh, med["load/raw"], ratios, "load", cfg["io_threads"]))
     pr = sh["per_rank"]
     lines.append(
         f"local bytes per rank {_mib_list([r['local_bytes'] for r in pr])} (sources; the "
@@ -824,6 +933,9 @@ def _report_io(out: dict[str, Any], checks: list[list[object]]) -> list[str]:
                          _times(rs["warmup_load_s"][m])])  # fmt: skip
         headers = ["method", "load s (median)", "load GB/s", "times (s)", "warm-up (s)"]
         lines.append(format_table(headers, rows))
+        lines.append(
+            _raw_line(rs, med["reshard_load/raw"], ratios, "reshard_load", cfg["io_threads"])
+        )
         pr = rs["per_rank"]
         lines.append(
             f"local bytes per rank {_mib_list([r['local_bytes'] for r in pr])}; peak RSS per rank "
@@ -832,7 +944,20 @@ def _report_io(out: dict[str, Any], checks: list[list[object]]) -> list[str]:
         t = IO_TARGETS["reshard_load"]
         r = ratios["reshard_load"]
         checks.append(_check_row("resharded load: trainsnap/DCP", r, f"<= {t:g}", r <= t))
+    for op, label in (("load", "sharded load"), ("reshard_load", "resharded load")):
+        if f"{op}_vs_raw" in ratios:
+            checks.append([f"{label}: trainsnap/raw reads", ratios[f"{op}_vs_raw"], "-", "-"])
+            checks.append([f"{label}: DCP/raw reads", ratios[f"{op}_dcp_vs_raw"], "-", "-"])
     return lines
+
+
+def _raw_line(res: dict[str, Any], t: float, ratios: dict[str, float], op: str, th: int) -> str:
+    return (
+        f"limit: raw reads of the byte ranges each rank's trainsnap load reads (preadv, {th} "
+        f"threads, no checks, no placement; {_mib_list(res['raw_bytes'])} per rank): median "
+        f"{t:.3f} s ({_times(res['raw_load_s'])}); trainsnap/raw {ratios[f'{op}_vs_raw']:.2f}, "
+        f"DCP/raw {ratios[f'{op}_dcp_vs_raw']:.2f}"
+    )
 
 
 def _report_sim(sim: dict[str, Any], checks: list[list[object]]) -> list[str]:

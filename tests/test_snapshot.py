@@ -239,3 +239,34 @@ def test_sharded_boxes_and_flat_ranges_on_one_process(tmp_path):
     # A single process saving one piece of each tensor is an incomplete tiling: refused.
     with pytest.raises(ts.TrainsnapError, match="cover"):
         ts.save(state, tmp_path, step=1)
+
+
+def test_bounce_pool_reuses_buffers_and_stays_within_its_budget():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainsnap.engine import BouncePool
+
+    mib = 1 << 20
+    pool = BouncePool(16 * mib)
+    in_use, peak_in_use, lock = [0], [0], threading.Lock()
+
+    def piece(i: int) -> None:
+        n = (3 + i % 2) * mib  # two sizes, both below one rounded mapping
+        with pool.buffer(n) as buf:
+            assert len(buf) == n
+            with lock:
+                in_use[0] += n
+                peak_in_use[0] = max(peak_in_use[0], in_use[0])
+            buf[:] = bytes([i % 256]) * n  # a buffer is this task's alone while it holds it
+            assert buf[0] == buf[-1] == i % 256
+            with lock:
+                in_use[0] -= n
+        assert pool.mapped <= pool.limit + 4 * mib
+
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(piece, range(200)))
+    assert peak_in_use[0] <= pool.limit and pool.peak <= pool.limit
+    assert pool.maps <= 8, f"{pool.maps} mappings for 200 pieces: buffers are not reused"
+    pool.close()
+    assert pool.mapped == 0

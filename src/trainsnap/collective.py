@@ -361,6 +361,21 @@ def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> s
     return str(sid)
 
 
+def _load_outcome(comm: Comm, session: Session, report: tuple[str | None, str]) -> dict[int, str]:
+    """Every rank's (error, level reached) gathered on the coordinator; the ranks that failed
+    (or disagree on the level), the same on every rank."""
+    results = session.gather("loaded", report)
+    failed: dict[int, str] = {}
+    if comm.is_coordinator:
+        assert results is not None
+        failed = {r: why for r, (why, _) in enumerate(results) if why is not None}
+        levels = {lvl for why, lvl in results if why is None}
+        if len(levels) > 1:
+            failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
+    out: dict[int, str] = session.broadcast("load-outcome", failed)
+    return out
+
+
 def _load(
     state: Any,
     storage: Storage,
@@ -371,13 +386,15 @@ def _load(
     allow_downgrade: bool,
     allow_pickle: bool,
 ) -> tuple[Manifest, str, int]:
-    sid = _resolve(storage, snapshot, comm, session)
+    with trace.span("resolve"):
+        sid = _resolve(storage, snapshot, comm, session)
     error: TrainsnapError | None = None
     m: Manifest | None = None
     tree: Any = state
     reached, nread = level, 0
     try:
-        m = commit.open_snapshot(storage, sid)
+        with trace.span("open"):
+            m = commit.open_snapshot(storage, sid)
         if isinstance(state, TrainState):
             plan = state.plan_load(
                 m, level, world_size=comm.world_size, allow_downgrade=allow_downgrade,
@@ -385,25 +402,19 @@ def _load(
             )  # fmt: skip
             tree, reached = plan.tree, plan.level
         world = m.world_size
-        reader = fill(
-            storage, m, targets(tree), comm.rank, allow_pickle=allow_pickle,
-            same_world=world == comm.world_size,
-        )  # fmt: skip
-        nread = reader.bytes_read
+        with trace.span("read") as ev:
+            reader = fill(
+                storage, m, targets(tree), comm.rank, allow_pickle=allow_pickle,
+                same_world=world == comm.world_size,
+            )  # fmt: skip
+            nread = ev["bytes"] = reader.bytes_read
     except TrainsnapError as e:
         if comm.world_size == 1:
             raise
         error = e
     report = (None if error is None else _describe_error(error), reached)
-    results = session.gather("loaded", report)
-    failed: dict[int, str] = {}
-    if comm.is_coordinator:
-        assert results is not None
-        failed = {r: why for r, (why, _) in enumerate(results) if why is not None}
-        levels = {lvl for why, lvl in results if why is None}
-        if len(levels) > 1:
-            failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
-    failed = session.broadcast("load-outcome", failed)
+    with trace.span("agree"):
+        failed = _load_outcome(comm, session, report)
     if error is not None:
         raise error
     if failed:

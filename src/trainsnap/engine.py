@@ -8,6 +8,7 @@ at most one block of extra bytes at each end.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -188,6 +189,19 @@ def gather(parts: list[memoryview], size: int) -> memoryview:
 # -- reading --------------------------------------------------------------------------------------
 
 
+def _map(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping (huge pages asked for where the kernel offers them: fewer
+    page faults the first time it is filled)."""
+    try:  # private: pages come straight from the allocator, not from shared memory
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, TypeError):  # platforms without these flags
+        region = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_HUGEPAGE)
+    return region
+
+
 @contextmanager
 def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
     """A temporary host buffer that goes back to the operating system when done.
@@ -199,10 +213,7 @@ def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
     if nbytes < (1 << 20):
         yield memoryview(bytearray(nbytes))
         return
-    try:  # private: pages come straight from the allocator, not from shared memory
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (AttributeError, TypeError):  # platforms without these flags
-        region = mmap.mmap(-1, nbytes)
+    region = _map(nbytes)
     view = memoryview(region)
     try:
         yield view
@@ -211,27 +222,76 @@ def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
         region.close()
 
 
-class BytesBudget:
-    """A counting semaphore of bytes: bounds the host memory held in bounce buffers."""
+_POOL_ROUND = 2 << 20
+"""Pool mappings are sized in multiples of this (a huge page), so that pieces of nearly the same
+size share them."""
+
+
+class BouncePool:
+    """The bounce buffers of one load, within a byte budget, reused from piece to piece.
+
+    At most ``limit`` bytes of buffers are handed out at once (a buffer larger than the limit is
+    counted as the limit: it runs alone), and the mappings kept for reuse never hold more than
+    ``limit`` bytes beyond the one being mapped. Reuse matters: filling a fresh mapping costs a
+    page fault per page, several times the copy itself. :meth:`close` unmaps everything.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        self.mapped = 0
+        self.maps = 0
+        """Mappings made (for tests and tuning: reuse keeps this low)."""
+        self._free: list[mmap.mmap] = []
         self._cv = threading.Condition()
 
-    def acquire(self, n: int) -> None:
-        n = min(n, self.limit)
+    @contextmanager
+    def buffer(self, nbytes: int) -> Iterator[memoryview]:
+        """A buffer of ``nbytes`` (waits while the budget is in use)."""
+        if nbytes < (1 << 20):
+            yield memoryview(bytearray(nbytes))
+            return
+        n = min(nbytes, self.limit)
         with self._cv:
             self._cv.wait_for(lambda: self.used + n <= self.limit)
             self.used += n
             self.peak = max(self.peak, self.used)
+            region = self._take(nbytes)
+        base = memoryview(region)
+        view = base[:nbytes]
+        try:
+            yield view
+        finally:
+            view.release()
+            base.release()
+            with self._cv:
+                self._free.append(region)
+                self.used -= n
+                self._cv.notify_all()
 
-    def release(self, n: int) -> None:
-        n = min(n, self.limit)
+    def _take(self, nbytes: int) -> mmap.mmap:
+        fits = [r for r in self._free if len(r) >= nbytes]
+        if fits:
+            region = min(fits, key=len)
+            self._free.remove(region)
+            return region
+        size = -(-nbytes // _POOL_ROUND) * _POOL_ROUND
+        self._free.sort(key=len)
+        while self._free and self.mapped + size > self.limit:
+            old = self._free.pop()  # the largest that does not fit
+            self.mapped -= len(old)
+            old.close()
+        self.mapped += size
+        self.maps += 1
+        return _map(size)
+
+    def close(self) -> None:
         with self._cv:
-            self.used -= n
-            self._cv.notify_all()
+            for region in self._free:
+                self.mapped -= len(region)
+                region.close()
+            self._free.clear()
 
 
 class Reader:
@@ -356,7 +416,13 @@ class Reader:
             out[pos - start : hi - start] = scratch[pos - b_lo : hi - b_lo]
             pos = hi
 
-    def read_scatter(self, o: int, segments: list[tuple[int, int, memoryview]], key: str) -> None:
+    def read_scatter(
+        self,
+        o: int,
+        segments: list[tuple[int, int, memoryview]],
+        key: str,
+        pool: BouncePool | None = None,
+    ) -> None:
         """Read the blocks covering several small ranges of object ``o`` once, verify each block
         once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
         share blocks: this is what keeps a load from hashing one block per tensor."""
@@ -367,7 +433,7 @@ class Reader:
         size = int(self.m.object_sizes[o])
         lo = min(s for s, _, _ in segments) // bs * bs
         hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
-        with bounce_buffer(hi - lo) as buf:
+        with pool.buffer(hi - lo) if pool is not None else bounce_buffer(hi - lo) as buf:
             self._get(o, lo, buf, key)
             self._check(o, lo // bs, buf, key)
             for start, stop, out in segments:

@@ -3,9 +3,10 @@
 For each tensor the state asks for, the saved shards that meet the local shard are found by a
 sort-and-sweep index (:class:`trainsnap.spec.RegionIndex`) and intersected into pieces. A piece
 contiguous on both sides is read straight into the destination's memory, chunk by chunk; any
-other piece (a column slice, a re-cut flat range) goes through a bounce buffer of bounded size
-and one strided copy. Destinations that are not CPU-contiguous are filled through a contiguous
-work tensor. Every block read is verified before its bytes are used.
+other piece (a column slice, a re-cut flat range) goes through a bounce buffer and one strided
+copy; bounce buffers come from a pool bounded by the read budget and are reused from piece to
+piece (a fresh buffer pays a page fault per page). Destinations that are not CPU-contiguous are
+filled through a contiguous work tensor. Every block read is verified before its bytes are used.
 
 All checks that need no data (missing keys, shapes, dtypes, coverage) run before the first byte
 is read, so a load refused for those reasons leaves the state untouched. A load that fails while
@@ -25,7 +26,7 @@ import torch
 
 from . import codec, tunables
 from .capture import Targets, TensorItem, ValueTarget
-from .engine import BytesBudget, Reader, bounce_buffer, run_all, tensor_bytes
+from .engine import BouncePool, Reader, run_all, tensor_bytes
 from .errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
 from .manifest import Manifest, keys_summary
 from .spec import Piece, Region, RegionIndex
@@ -151,7 +152,7 @@ def _piece_tasks(
     dest: _Dest,
     shard: int,
     piece: Piece,
-    budget: BytesBudget,
+    pool: BouncePool,
     max_elems: int,
     direct: list[_Direct],
 ) -> list[Callable[[], None]]:
@@ -168,14 +169,9 @@ def _piece_tasks(
 
     def bounce(part: Piece) -> None:
         lo, hi = part.src_span()
-        nbytes = (hi - lo) * isz
-        budget.acquire(nbytes)
-        try:
-            with bounce_buffer(nbytes) as buf:
-                reader.read_payload(shard, lo * isz, hi * isz, buf, key)
-                _strided_copy(buf, part, lo, dest.work)
-        finally:
-            budget.release(nbytes)
+        with pool.buffer((hi - lo) * isz) as buf:
+            reader.read_payload(shard, lo * isz, hi * isz, buf, key)
+            _strided_copy(buf, part, lo, dest.work)
 
     return [partial(bounce, p) for p in piece.split(max_elems)]
 
@@ -185,7 +181,7 @@ _COALESCE_MAX = 8 << 20
 
 
 def _direct_tasks(
-    reader: Reader, reads: list[_Direct], budget: BytesBudget
+    reader: Reader, reads: list[_Direct], pool: BouncePool
 ) -> list[Callable[[], None]]:
     """Large direct reads become one task each (read straight into the destination); small
     ones are grouped per object into runs, each read and verified once."""
@@ -202,20 +198,15 @@ def _direct_tasks(
         run: list[_Direct] = []
         for r in rs:
             if run and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX):
-                tasks.append(partial(_scatter, reader, o, run, budget))
+                tasks.append(partial(_scatter, reader, o, run, pool))
                 run = []
             run.append(r)
-        tasks.append(partial(_scatter, reader, o, run, budget))
+        tasks.append(partial(_scatter, reader, o, run, pool))
     return tasks
 
 
-def _scatter(reader: Reader, o: int, run: list[_Direct], budget: BytesBudget) -> None:
-    nbytes = run[-1].stop - run[0].start + 2 * reader.m.block_size
-    budget.acquire(nbytes)
-    try:
-        reader.read_scatter(o, [(r.start, r.stop, r.out) for r in run], run[0].key)
-    finally:
-        budget.release(nbytes)
+def _scatter(reader: Reader, o: int, run: list[_Direct], pool: BouncePool) -> None:
+    reader.read_scatter(o, [(r.start, r.stop, r.out) for r in run], run[0].key, pool)
 
 
 def _overlaps(
@@ -244,7 +235,7 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     """Read every destination's elements; each destination gets every element exactly once."""
     t = tunables.get()
     m = reader.m
-    budget = BytesBudget(t.read_budget)
+    pool = BouncePool(t.read_budget)
     tasks: list[Callable[[], None]] = []
     direct: list[_Direct] = []
     indexes: dict[int, tuple[list[int], RegionIndex]] = {}
@@ -262,8 +253,11 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
         max_elems = max(1, min(t.read_budget // 4, 64 << 20) // dest.itemsize)
         for i, ps in found:
             for p in ps:
-                tasks += _piece_tasks(reader, dest, i, p, budget, max_elems, direct)
-    run_all(_direct_tasks(reader, direct, budget) + tasks, threads)
+                tasks += _piece_tasks(reader, dest, i, p, pool, max_elems, direct)
+    try:
+        run_all(_direct_tasks(reader, direct, pool) + tasks, threads)
+    finally:
+        pool.close()
     for dest, _ in pairs:
         if not dest.direct:
             with torch.no_grad():
