@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -159,12 +159,18 @@ def _leaf_tensor(key: str, t: torch.Tensor) -> TensorItem:
     return TensorItem(key, t, shape, Box.full(shape))
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@cache
+def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch.distributed not built in
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def _dtensor_item(key: str, t: Any) -> TensorItem:
