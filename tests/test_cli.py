@@ -113,6 +113,7 @@ def test_show_prints_keys_shapes_dtypes(root: Path) -> None:
     for expected in ("model.w", "(3, 4)", "float32", "model.b", "(3,)", "float16", "epoch"):
         assert expected in out
     assert "tokens seen   500" in out
+    assert f"format        version {trainsnap.manifest.FORMAT_VERSION}" in out
 
 
 def test_show_json_latest(root: Path) -> None:
@@ -120,7 +121,7 @@ def test_show_json_latest(root: Path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["id"] == ids_by_step(root)[10]
-    assert doc["step"] == 10
+    assert doc["step"] == 10 and doc["format_version"] == trainsnap.manifest.FORMAT_VERSION
     tensors = {t["key"]: t for t in doc["tensors"]}
     assert tensors["model.w"]["shape"] == [3, 4]
     assert tensors["model.w"]["dtype"] == "float32"

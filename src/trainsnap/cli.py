@@ -417,6 +417,7 @@ def _header(m: Manifest) -> Table:
         ("topology", ", ".join(_flat_items(m.topology)) or "-"),
         ("state kinds", ", ".join(kinds) or "none recorded"),
         ("checksum", f"{m.algorithm}, blocks of {_human(m.block_size)}"),
+        ("format", f"version {m.format_version}"),
     ]
     if m.parent:
         rows.append(("parent", m.parent))
