@@ -270,3 +270,19 @@ def test_bounce_pool_reuses_buffers_and_stays_within_its_budget():
     assert pool.maps <= 8, f"{pool.maps} mappings for 200 pieces: buffers are not reused"
     pool.close()
     assert pool.mapped == 0
+
+
+def test_replica_digests_are_hashed_in_parallel_batches_in_entry_order(monkeypatch):
+    from trainsnap import saving
+    from trainsnap.checksum import Hasher
+
+    monkeypatch.setattr(saving, "_HASH_BATCH", 300)  # many batches on the thread pool
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(i % 7 * 13 + 1, generator=g) for i in range(60)}
+    state["sharded"] = ts.Sharded(torch.ones(4), global_shape=(4,), offsets=(0,))
+    hasher = Hasher()
+    local = saving.describe(state, saving.SaveOptions(step=1), hasher, replica_digests=True)
+    by_key = {e[0]: e[5] for e in local.entries}
+    assert by_key.pop("sharded") is None  # declared layouts are not hashed
+    for key, digest in by_key.items():
+        assert digest == hasher.digest(state[key].numpy().tobytes()), key

@@ -130,18 +130,43 @@ def describe(state: Any, opts: SaveOptions, hasher: Hasher, *, replica_digests: 
     tensors are hashed so the plan can tell true replicas from per-rank tensors."""
     cap = capture(state)
     local = Local(cap, [], [], [], chunk_size=opts.chunk_size, compression=opts.compression)
+    sizes = [t.region.numel * t.local.element_size() for t in cap.tensors]
+    digests: dict[int, bytes] = {}
+    if replica_digests:
+        plain = [i for i, t in enumerate(cap.tensors) if not t.declared]
+        digests = dict(zip(plain, _digests(local, plain, sizes, hasher), strict=True))
     for i, t in enumerate(cap.tensors):
         dtype = codec.dtype_name(t.local.dtype)
-        nbytes = t.region.numel * t.local.element_size()
-        digest = None
-        if replica_digests and not t.declared:
-            digest = hasher.digest(local.payload(i))
-        local.entries.append((t.key, dtype, t.global_shape, t.region, nbytes, digest))
+        entry = (t.key, dtype, t.global_shape, t.region, sizes[i], digests.get(i))
+        local.entries.append(entry)
     for v in cap.values:
         c, data = codec.encode(v.value, v.key, allow_pickle=opts.allow_pickle)
         local.value_bytes.append(data)
         local.values.append((v.key, c, hasher.digest(data), len(data)))
     return local
+
+
+_HASH_BATCH = 8 << 20
+"""Bytes of payloads hashed per task when plain tensors are hashed to find replicas."""
+
+
+def _digests(local: Local, which: list[int], sizes: list[int], hasher: Hasher) -> list[bytes]:
+    """Digests of the payloads of tensor entries ``which``, in order, hashed on the I/O threads
+    in batches of a few MiB (the hash releases the GIL): this is in the pause of a save."""
+    batches: list[list[int]] = [[]]
+    size = 0
+    for i in which:
+        if size >= _HASH_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += sizes[i]
+
+    def digest(batch: list[int]) -> list[bytes]:
+        return [hasher.digest(local.payload(i)) for i in batch]
+
+    done = run_all([partial(digest, b) for b in batches if b], tunables.get().io_threads)
+    return [d for ds in done for d in ds]
 
 
 # -- writing --------------------------------------------------------------------------------------
