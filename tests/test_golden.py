@@ -34,13 +34,14 @@ def test_format_v1_golden_loads_bitwise_and_verifies(tmp_path):
     assert report.ok and report.snapshots[0].objects == 4
 
 
-def test_format_v2_golden_with_compressed_objects_loads_bitwise_and_verifies(tmp_path):
-    root = tmp_path / "v2"
-    shutil.copytree(GOLDEN / "v2", root)
+def _load_compressed_golden(root: Path, version: int) -> dict:
+    """Load the state of the golden snapshots of formats 2 and 3 (the same state, stored with
+    every object codec), check it bitwise and verify the root."""
     (info,) = ts.list_snapshots(root)
     assert info.step == 42 and info.tokens_seen == 1000
     m = ts.commit.open_snapshot(ts.open_storage(root), info.id)
-    assert m.format_version == 2 and {"bg4+zstd", "bg2+zstd", "zstd", "raw"} <= set(m.object_codecs)
+    assert m.format_version == version
+    assert {"bg4+zstd", "bg2+zstd", "zstd", "raw"} <= set(m.object_codecs)
     state = {
         "model": {"w": torch.zeros(20, 30), "b": torch.zeros(7, dtype=torch.bfloat16)},
         "optim": {"m": torch.zeros(300)},
@@ -52,31 +53,22 @@ def test_format_v2_golden_with_compressed_objects_loads_bitwise_and_verifies(tmp
     assert torch.equal(state["model"]["b"], torch.arange(7, dtype=torch.bfloat16))
     assert torch.equal(state["optim"]["m"], torch.linspace(0, 1, 300, dtype=torch.float32))
     assert state["flag"].tolist() == [True, False, True] and state["extra"]["name"] == "golden"
+    assert state["extra"]["betas"] == (0.9, 0.95) and math.isnan(state["extra"]["nan"])
     assert ts.verify(root).ok
+    return {"id": info.id, "manifest": m}
+
+
+def test_format_v2_golden_with_compressed_objects_loads_bitwise_and_verifies(tmp_path):
+    root = tmp_path / "v2"
+    shutil.copytree(GOLDEN / "v2", root)
+    got = _load_compressed_golden(root, 2)
+    assert (root / "snapshots" / got["id"] / "manifest.json").exists()
 
 
 def test_format_v3_golden_binary_manifest_loads_bitwise_and_verifies(tmp_path):
     root = tmp_path / "v3"
     shutil.copytree(GOLDEN / "v3", root)
-    (info,) = ts.list_snapshots(root)
-    assert info.step == 42 and info.tokens_seen == 1000
-    raw = (root / ts.manifest.manifest_key(info.id, 3)).read_bytes()
-    assert (
-        raw.startswith(ts.schema.MAGIC) and (root / "snapshots" / info.id / "manifest.bin").exists()
-    )
-    m = ts.commit.open_snapshot(ts.open_storage(root), info.id)
-    assert m.format_version == 3 and {"bg4+zstd", "bg2+zstd", "zstd", "raw"} <= set(m.object_codecs)
-    assert m.versions["user"] == {"model": "golden-3"}
-    state = {
-        "model": {"w": torch.zeros(20, 30), "b": torch.zeros(7, dtype=torch.bfloat16)},
-        "optim": {"m": torch.zeros(300)},
-        "flag": torch.zeros(3, dtype=torch.bool),
-        "extra": {"lr": None, "betas": None, "name": None, "nan": None},
-    }
-    ts.load(state, root)
-    assert torch.equal(state["model"]["w"], torch.arange(600, dtype=torch.float32).reshape(20, 30))
-    assert torch.equal(state["model"]["b"], torch.arange(7, dtype=torch.bfloat16))
-    assert torch.equal(state["optim"]["m"], torch.linspace(0, 1, 300, dtype=torch.float32))
-    assert state["flag"].tolist() == [True, False, True] and state["extra"]["betas"] == (0.9, 0.95)
-    assert math.isnan(state["extra"]["nan"])
-    assert ts.verify(root).ok
+    got = _load_compressed_golden(root, 3)
+    raw = (root / "snapshots" / got["id"] / "manifest.bin").read_bytes()
+    assert raw.startswith(ts.schema.MAGIC)
+    assert got["manifest"].versions["user"] == {"model": "golden-3"}
