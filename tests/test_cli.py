@@ -13,8 +13,9 @@ from typer.testing import CliRunner, Result
 
 import trainsnap
 from trainsnap import commit
-from trainsnap.cli import _geometry, _human, app
+from trainsnap.cli import app
 from trainsnap.manifest import object_key
+from trainsnap.render import geometry_text, human_size
 from trainsnap.spec import Box, Flat
 from trainsnap.storage import open_storage
 from trainsnap.verify import verify_root
@@ -239,6 +240,11 @@ def test_verify_progress_counts_each_shared_object_once(tmp_path: Path) -> None:
 
 
 def test_geometry_and_units() -> None:
-    assert _geometry(Flat(10, 5)) == "flat start 10 len 5"
-    assert _geometry(Box((0, 2), (3, 4))) == "box at (0, 2) size (3, 4)"
-    assert [_human(n) for n in (0, 1023, 1536, 5 << 30)] == ["0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
+    assert geometry_text(Flat(10, 5)) == "flat start 10 len 5"
+    assert geometry_text(Box((0, 2), (3, 4))) == "box at (0, 2) size (3, 4)"
+    assert [human_size(n) for n in (0, 1023, 1536, 5 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "5.0 GiB",
+    ]

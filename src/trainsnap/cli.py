@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated, ParamSpec, TypeVar
 
-import numpy as np
 import typer
-from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -31,20 +27,18 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 from rich.text import Text
 
-from . import commit, gc, lease
+from . import commit, gc, lease, render
 from ._version import __version__
-from .diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff, diff_snapshots
+from .diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, diff_snapshots
 from .diff import summary as diff_summary
 from .errors import IncompleteError, InvalidArgumentError, NotFoundError, TrainsnapError
 from .export import DEFAULT_MAX_SHARD_SIZE, parse_dtype, parse_size, plan_export, write_export
 from .importdcp import import_dcp
-from .manifest import Manifest, check_snapshot_id
+from .manifest import check_snapshot_id
 from .policy import daly_interval, parse_duration, young_interval
 from .snapshot import SnapshotInfo, resolve
-from .spec import Flat, Region
 from .storage import Storage, open_storage
 from .verify import Progress as ProgressCallback
 from .verify import VerifyReport, verify_root
@@ -55,8 +49,6 @@ R = TypeVar("R")
 PIPE_WIDTH = 200
 """Columns for tables when stdout is not a terminal."""
 
-MAX_SHARDS_SHOWN = 3
-"""Shards whose geometry ``show`` spells out per tensor; the rest are counted."""
 
 app = typer.Typer(
     name="trainsnap",
@@ -107,55 +99,6 @@ def _reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(2) from None
 
     return wrapper
-
-
-def _table(title: str | None = None) -> Table:
-    """Borderless tables: they fit 80 columns where boxed ones would cut ids short."""
-    return Table(
-        title=title,
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        padding=(0, 1, 0, 0),
-    )
-
-
-def _human(n: int) -> str:
-    """Binary units, one decimal: enough to compare snapshot sizes at a glance."""
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        size /= 1024
-        if size < 1024 or unit == "PiB":
-            break
-    return f"{size:.1f} {unit}"
-
-
-def _utc(t: datetime) -> str:
-    """UTC to the second; a manifest without a zone wrote UTC (trainsnap always does)."""
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _scope(rank: int) -> str:
-    return "global" if rank < 0 else f"rank:{rank}"
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _flat_items(d: dict[str, Any], prefix: str = "") -> list[str]:
-    """``k=v`` pairs, nested mappings as dotted keys, so versions and topology fit on a line."""
-    out: list[str] = []
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out += _flat_items(v, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}={json.dumps(v) if not isinstance(v, str) else v}")
-    return out
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -232,32 +175,6 @@ def _uncommitted(storage: Storage, known: set[str]) -> list[str]:
     return out
 
 
-def _snapshot_table(
-    infos: Sequence[SnapshotInfo],
-    verdicts: dict[str, str],
-    tiers: dict[str, list[str]] | None = None,
-) -> Table:
-    table = _table()
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("id", no_wrap=True)
-    table.add_column("created (UTC)", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("level", no_wrap=True)
-    table.add_column("verified", no_wrap=True)
-    if tiers is not None:
-        table.add_column("tiers", no_wrap=True)
-    for i in infos:
-        verdict = verdicts.get(i.id, "-")
-        style = "red bold" if verdict == "CORRUPT" else ""
-        created = _utc(i.created).removesuffix(" UTC")
-        row: list[str | Text] = [str(i.step), Text(i.id), created, _human(i.nbytes)]
-        row += [Text(i.level), Text(verdict, style)]
-        if tiers is not None:
-            row.append(Text("+".join(tiers.get(i.id, []))))
-        table.add_row(*row)
-    return table
-
-
 @app.command("ls")
 @_reports_errors
 def ls_command(
@@ -293,9 +210,9 @@ def ls_command(
         if verify:
             report, _ = _verify(storage, None)
             verdicts = {s.id: "ok" if s.ok else "CORRUPT" for s in report.snapshots}
-        out.print(_snapshot_table(infos, verdicts, tiers))
+        out.print(render.snapshot_table(infos, verdicts, tiers))
         total = sum(i.nbytes for i in infos)
-        _say(f"{len(infos)} committed snapshot(s), sizes summing to {_human(total)}")
+        _say(f"{len(infos)} committed snapshot(s), sizes summing to {render.human_size(total)}")
     if damaged:
         _say(
             f"{len(damaged)} snapshot(s) with a damaged commit marker not listed; "
@@ -309,166 +226,6 @@ def ls_command(
 
 
 # -- show -----------------------------------------------------------------------------------------
-
-
-def _owner_bytes(m: Manifest) -> np.ndarray:
-    """Stored bytes of each shard, then of each value: the lengths of its chunks, summed."""
-    clen = np.zeros(len(m.chunk_length) + 1, np.int64)
-    np.cumsum(m.chunk_length, out=clen[1:])
-    cs = m.chunk_start()
-    out: np.ndarray = clen[cs[1:]] - clen[cs[:-1]]
-    return out
-
-
-def _tensor_bytes(m: Manifest, owner_bytes: np.ndarray) -> list[int]:
-    pre = np.zeros(len(m.shard_kind) + 1, np.int64)
-    np.cumsum(owner_bytes[: len(m.shard_kind)], out=pre[1:])
-    ss = m.shard_start()
-    out: list[int] = (pre[ss[1:]] - pre[ss[:-1]]).tolist()
-    return out
-
-
-def _geometry(region: Region) -> str:
-    if isinstance(region, Flat):
-        return f"flat start {region.start} len {region.length}"
-    return f"box at {_shape(region.offsets)} size {_shape(region.sizes)}"
-
-
-def _region_json(region: Region, nbytes: int) -> dict[str, Any]:
-    if isinstance(region, Flat):
-        return {"kind": "flat", "start": region.start, "length": region.length, "nbytes": nbytes}
-    return {
-        "kind": "box",
-        "offsets": list(region.offsets),
-        "sizes": list(region.sizes),
-        "nbytes": nbytes,
-    }
-
-
-def _largest_object(m: Manifest) -> dict[str, Any] | None:
-    if not m.object_names:
-        return None
-    o = int(np.argmax(m.object_sizes))
-    return {"name": m.object_names[o], "nbytes": int(m.object_sizes[o])}
-
-
-def _summary(m: Manifest) -> dict[str, Any]:
-    """Everything ``show`` knows, as plain JSON (``rank`` is null for a global tensor)."""
-    ob = _owner_bytes(m)
-    tb = _tensor_bytes(m, ob)
-    base = m.value_chunk_base()
-    tensors = [
-        {
-            "key": key,
-            "rank": None if int(m.tensor_ranks[t]) < 0 else int(m.tensor_ranks[t]),
-            "dtype": m.tensor_dtypes[t],
-            "shape": list(m.tensor_shapes[t]),
-            "nbytes": tb[t],
-            "shards": [_region_json(r, int(ob[s])) for s, r in m.tensor_shards(t)],
-        }
-        for t, key in enumerate(m.tensor_keys)
-    ]
-    values = [
-        {
-            "key": key,
-            "rank": None if int(m.value_ranks[v]) < 0 else int(m.value_ranks[v]),
-            "codec": m.value_codecs[v],
-            "nbytes": int(ob[base + v]),
-        }
-        for v, key in enumerate(m.value_keys)
-    ]
-    return {
-        "id": m.snapshot_id,
-        "step": m.step,
-        "created": m.created,
-        "level": m.level,
-        "nbytes": m.nbytes,
-        "tokens_seen": m.tokens_seen,
-        "samples_seen": m.samples_seen,
-        "data_cursor": m.data_cursor,
-        "parent": m.parent,
-        "versions": m.versions,
-        "topology": m.topology,
-        "state_kinds": m.state_kinds,
-        "meta": m.meta,
-        "checksum": {"algorithm": m.algorithm, "block_size": m.block_size},
-        "format_version": m.format_version,
-        "tensors": tensors,
-        "values": values,
-        "objects": {
-            "count": len(m.object_names),
-            "nbytes": m.nbytes,
-            "largest": _largest_object(m),
-        },
-    }
-
-
-def _header(m: Manifest) -> Table:
-    kinds = [k for k, present in m.state_kinds.items() if present]
-    rows = [
-        ("id", m.snapshot_id),
-        ("step", str(m.step)),
-        ("created", _utc(SnapshotInfo.from_manifest(m, "").created)),
-        ("level", m.level),
-        ("size", f"{_human(m.nbytes)} ({m.nbytes} bytes)"),
-        ("tokens seen", "-" if m.tokens_seen is None else str(m.tokens_seen)),
-        ("samples seen", "-" if m.samples_seen is None else str(m.samples_seen)),
-        ("versions", ", ".join(_flat_items(m.versions)) or "-"),
-        ("topology", ", ".join(_flat_items(m.topology)) or "-"),
-        ("state kinds", ", ".join(kinds) or "none recorded"),
-        ("checksum", f"{m.algorithm}, blocks of {_human(m.block_size)}"),
-        ("format", f"version {m.format_version}"),
-    ]
-    if m.parent:
-        rows.append(("parent", m.parent))
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    for name, value in rows:
-        grid.add_row(name, Text(value))
-    return grid
-
-
-def _tensor_table(m: Manifest, ob: np.ndarray) -> Table:
-    tb = _tensor_bytes(m, ob)
-    table = _table(f"tensors ({len(m.tensor_keys)})")
-    for name in ("key", "scope", "dtype", "shape", "shards", "bytes", "shard geometry"):
-        right = name in ("shards", "bytes")
-        table.add_column(name, justify="right" if right else "left", overflow="fold")
-    for t, key in enumerate(m.tensor_keys):
-        shards = m.tensor_shards(t)
-        geo = [_geometry(r) for _, r in shards[:MAX_SHARDS_SHOWN]]
-        if len(shards) > MAX_SHARDS_SHOWN:
-            geo.append(f"+{len(shards) - MAX_SHARDS_SHOWN} more")
-        table.add_row(
-            Text(key),
-            _scope(int(m.tensor_ranks[t])),
-            m.tensor_dtypes[t],
-            _shape(m.tensor_shapes[t]),
-            str(len(shards)),
-            str(tb[t]),
-            Text("\n".join(geo)),
-        )
-    return table
-
-
-def _value_table(m: Manifest, ob: np.ndarray) -> Table:
-    base = m.value_chunk_base()
-    table = _table(f"values ({len(m.value_keys)})")
-    for name in ("key", "scope", "codec", "bytes"):
-        table.add_column(name, justify="right" if name == "bytes" else "left", overflow="fold")
-    for v, key in enumerate(m.value_keys):
-        scope = _scope(int(m.value_ranks[v]))
-        table.add_row(Text(key), scope, m.value_codecs[v], str(int(ob[base + v])))
-    return table
-
-
-def _objects_line(m: Manifest) -> str:
-    largest = _largest_object(m)
-    line = f"objects: {len(m.object_names)}, {_human(m.nbytes)} in all"
-    if largest:
-        line += f", largest {largest['name']} ({_human(largest['nbytes'])})"
-    return line
 
 
 @app.command("show")
@@ -486,16 +243,16 @@ def show_command(
     storage = open_storage(root)
     m = commit.open_snapshot(storage, resolve(storage, snapshot_id))
     if as_json:
-        typer.echo(json.dumps(_summary(m), indent=2))
+        typer.echo(json.dumps(render.manifest_json(m), indent=2))
         return
     out = _out()
-    ob = _owner_bytes(m)
-    out.print(_header(m))
+    ob = render.owner_nbytes(m)
+    out.print(render.header_grid(m))
     if m.tensor_keys:
-        out.print(_tensor_table(m, ob))
+        out.print(render.tensor_table(m, ob))
     if m.value_keys:
-        out.print(_value_table(m, ob))
-    _say(_objects_line(m))
+        out.print(render.value_table(m, ob))
+    _say(render.objects_line(m))
 
 
 # -- verify ---------------------------------------------------------------------------------------
@@ -531,7 +288,7 @@ def verify_command(
         )
     rate = nbytes / max(report.seconds, 1e-9) / 1e9
     _say(
-        f"verified {len(report.snapshots)} snapshot(s), {_human(nbytes)} in "
+        f"verified {len(report.snapshots)} snapshot(s), {render.human_size(nbytes)} in "
         f"{report.seconds:.2f} s ({rate:.2f} GB/s): "
         + ("all ok" if report.ok else f"{len(report.problems)} problem(s)")
     )
@@ -567,7 +324,8 @@ def gc_command(
     verb = "would free" if dry_run else "freed"
     holder = f"writer generation {writer} holds the root" if writer else "no active writer"
     _say(
-        f"{verb} {_human(report.bytes_freed)} in {len(report.objects_deleted)} object(s); "
+        f"{verb} {render.human_size(report.bytes_freed)} in "
+        f"{len(report.objects_deleted)} object(s); "
         f"{len(report.uncommitted_deleted)} uncommitted snapshot(s), "
         f"{report.temporaries_deleted} temporary file(s); kept {report.objects_kept} object(s) "
         f"of {report.snapshots_kept} snapshot(s) ({holder}"
@@ -642,7 +400,8 @@ def export_command(
         path = write_export(storage, m, plan, out, progress=progress)
     ntensors = sum(len(f.tensors) for f in plan.files)
     _say(
-        f"exported {ntensors} tensor(s), {_human(plan.total_size)}, of snapshot {m.snapshot_id} "
+        f"exported {ntensors} tensor(s), {render.human_size(plan.total_size)}, "
+        f"of snapshot {m.snapshot_id} "
         f"to {path}" + (f" ({len(plan.files)} files)" if plan.sharded else "")
     )
     if plan.skipped:
@@ -668,42 +427,9 @@ def import_dcp_command(
     m = commit.open_snapshot(open_storage(root), info.id)
     _say(
         f"imported {dcp_dir} as snapshot {info.id} (step {info.step}): "
-        f"{len(m.tensor_keys)} tensor(s), {len(m.value_keys)} value(s), {_human(info.nbytes)}"
+        f"{len(m.tensor_keys)} tensor(s), {len(m.value_keys)} value(s), "
+        f"{render.human_size(info.nbytes)}"
     )
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-_DIFF_GROUP = {CHANGED: 0, RETYPED: 0, RESHAPED: 1, ADDED: 2, REMOVED: 3, UNCHANGED: 4}
-
-
-def _diff_order(d: TensorDiff) -> tuple[int, float, str, int]:
-    """Largest relative change first (NaN and inf on top: they are what one looks for), then
-    reshaped, added, removed, unchanged."""
-    rel = d.rel_norm
-    weight = math.inf if rel is None or math.isnan(rel) else rel
-    return (_DIFF_GROUP[d.status], -weight, d.key, d.rank)
-
-
-def _diff_table(title: str, diffs: Sequence[TensorDiff]) -> Table:
-    table = _table(title)
-    for name in ("key", "status", "dtype", "shape", "max |a-b|", "|a-b|/|a|"):
-        right = name.startswith(("max", "|"))
-        table.add_column(name, justify="right" if right else "left", overflow="fold")
-    for d in diffs:
-        da, db = d.dtype_a or d.dtype_b or "-", d.dtype_b or d.dtype_a or "-"
-        sa, sb = d.shape_a or d.shape_b or (), d.shape_b or d.shape_a or ()
-        table.add_row(
-            Text(d.label),
-            d.status,
-            da if da == db else f"{da} -> {db}",
-            _shape(sa) if sa == sb else f"{_shape(sa)} -> {_shape(sb)}",
-            _num(d.max_abs),
-            _num(d.rel_norm),
-        )
-    return table
 
 
 @app.command("diff")
@@ -719,9 +445,9 @@ def diff_command(
     ida, idb = resolve(storage, a), resolve(storage, b)
     with _bar("comparing") as progress:
         diffs = diff_snapshots(storage, ida, idb, progress=progress)
-    shown = sorted((d for d in diffs if show_all or d.status != UNCHANGED), key=_diff_order)
+    shown = sorted((d for d in diffs if show_all or d.status != UNCHANGED), key=render.diff_order)
     if shown:
-        _out().print(_diff_table(f"{ida} -> {idb}", shown))
+        _out().print(render.diff_table(f"{ida} -> {idb}", shown))
     counts = diff_summary(diffs)
     parts = [f"{counts[s]} {s}" for s in (CHANGED, UNCHANGED, ADDED, REMOVED)]
     parts += [f"{counts[s]} {s}" for s in (RETYPED, RESHAPED) if counts[s]]
