@@ -60,12 +60,10 @@ import dataclasses
 import gc
 import inspect
 import io
-import json
 import os
 import pstats
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -85,12 +83,15 @@ from common import (
     GiB,
     check_bitwise_equal,
     describe_state,
+    emit,
     format_table,
     fresh_dir,
+    kv,
     machine_info,
     make_state,
     median,
     rotated,
+    scratch_root,
     state_nbytes,
 )
 from trainsnap import trace, tunables
@@ -644,10 +645,6 @@ def _others(start: dict[str, float] | None, wall: float) -> dict[str, Any] | Non
     }
 
 
-def _kv(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in d.items())
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = tunables.get().io_threads
     print(f"making the state ({args.gib} GiB, seed {args.seed}) ...", flush=True)
@@ -660,14 +657,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine["io_threads"] = threads
     machine["loadavg_start"] = _loadavg()
 
-    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    free = shutil.disk_usage(base).free
-    need = nbytes * 2.5
-    if free < need:
-        raise SystemExit(f"{base}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f} GiB")
-    root = Path(tempfile.mkdtemp(prefix="trainsnap-async-", dir=base))
-    print(f"machine: {_kv(machine)}")
-    print(f"state: {_kv(desc)}")
+    root, free = scratch_root(args.dir, nbytes * 2.5, "trainsnap-async-")
+    print(f"machine: {kv(machine)}")
+    print(f"state: {kv(desc)}")
     print(f"directory: {root} ({free / GiB:.0f} GiB free)", flush=True)
 
     cpu0, t0 = _cpu_times(), time.perf_counter()
@@ -924,10 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--around must be at least 1")
 
     out = run(args)
-    print(report(out))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    emit(out, report(out), args.json)
     return 0
 
 

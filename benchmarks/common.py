@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import math
 import os
 import platform
@@ -318,6 +319,24 @@ def fresh_dir(root: str | os.PathLike[str], prefix: str = "run-") -> Iterator[Pa
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def scratch_root(where: str | None, need: float, prefix: str) -> tuple[Path, int]:
+    """A new directory for a benchmark's files under ``where`` (default: the system's temporary
+    directory), and the free bytes there; exits if fewer than ``need`` bytes are free."""
+    base = Path(where) if where else Path(tempfile.gettempdir())
+    free = shutil.disk_usage(base).free
+    if free < need:
+        raise SystemExit(f"{base}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f} GiB")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base)), free
+
+
+def emit(out: dict[str, Any], text: str, json_path: str | None) -> None:
+    """Print a benchmark's report and, when asked, write its results as JSON."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        print(f"wrote {json_path}")
 
 
 def fsync_dir(d: str | os.PathLike[str]) -> None:

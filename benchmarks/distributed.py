@@ -52,12 +52,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import gc
-import json
 import os
 import resource
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -74,13 +72,16 @@ import trainsnap as ts
 from common import (
     GiB,
     MiB,
+    emit,
     evict,
     format_table,
     gbps,
+    kv,
     machine_info,
     median,
     resident_fraction,
     rotated,
+    scratch_root,
     timed,
 )
 from trainsnap import commit, schema, tunables
@@ -555,13 +556,8 @@ def run_io(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     specs = state_specs(args.gib)
     desc = describe_specs(specs)
     nbytes = desc["bytes"]
-    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    free = shutil.disk_usage(base).free
-    need = nbytes * 2.6
-    if free < need:
-        raise SystemExit(f"{base}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f} GiB")
-    root = Path(tempfile.mkdtemp(prefix="trainsnap-dist-", dir=base))
-    print(f"state: {_kv(desc)}")
+    root, free = scratch_root(args.dir, nbytes * 2.6, "trainsnap-dist-")
+    print(f"state: {kv(desc)}")
     print(f"directory: {root} ({free / GiB:.0f} GiB free)", flush=True)
     reps = args.warmup + args.reps
     # Generous deadlines: 4 ranks share the cores; a hung run still ends.
@@ -824,10 +820,6 @@ def _loadavg() -> list[float]:
         return []
 
 
-def _kv(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in d.items())
-
-
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -1055,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     machine["trainsnap"] = ts.__version__
     machine["io_threads"] = threads
-    print(f"machine: {_kv(machine)}", flush=True)
+    print(f"machine: {kv(machine)}", flush=True)
     out: dict[str, Any] = {
         "machine": machine,
         "config": {
@@ -1080,10 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         out["sim"] = run_sim()
         loadavg["after part 3"] = _loadavg()
     out["loadavg"] = loadavg
-    print(report(out))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    emit(out, report(out), args.json)
     return 0
 
 

@@ -49,12 +49,10 @@ directory), each removed when its scenario or measurement is done.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -73,12 +71,14 @@ from common import (
     GiB,
     MiB,
     check_bitwise_equal,
+    emit,
     empty_like_state,
     format_table,
     fresh_dir,
     kv,
     machine_info,
     median,
+    scratch_root,
     state_nbytes,
     timed,
 )
@@ -677,14 +677,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine["trainsnap"] = ts.__version__
     machine["io_threads"] = threads
     print(f"machine: {kv(machine)}")
-    base_dir = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    free = shutil.disk_usage(base_dir).free
     need = 3 * args.mib * MiB * args.snapshots * 1.2
-    if free < need:
-        raise SystemExit(
-            f"{base_dir}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f} GiB"
-        )
-    base = Path(tempfile.mkdtemp(prefix="trainsnap-bench-", dir=base_dir))
+    base, free = scratch_root(args.dir, need, "trainsnap-bench-")
     print(f"directory: {base} ({free / GiB:.0f} GiB free)")
     out: dict[str, Any] = {
         "machine": machine,
@@ -749,10 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps-between, --train-steps and --mib must be positive")
 
     out = run(args)
-    print(report(out))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    emit(out, report(out), args.json)
     return 0
 
 

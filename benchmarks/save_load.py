@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -53,12 +51,14 @@ from common import (
     check_bitwise_equal,
     clear_state,
     describe_state,
+    emit,
     empty_like_state,
     evict,
     format_table,
     fresh_dir,
     fsync_dir,
     gbps,
+    kv,
     machine_info,
     make_state,
     median,
@@ -66,6 +66,7 @@ from common import (
     raw_write,
     resident_fraction,
     rotated,
+    scratch_root,
     state_nbytes,
     timed,
 )
@@ -195,15 +196,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine["trainsnap"] = ts.__version__
     machine["io_threads"] = threads
 
-    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    free = shutil.disk_usage(base).free
-    need = nbytes * (len(ms) + 1.2)
-    if free < need:
-        raise SystemExit(f"{base}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f} GiB")
-    root = Path(tempfile.mkdtemp(prefix="trainsnap-bench-", dir=base))
+    root, free = scratch_root(args.dir, nbytes * (len(ms) + 1.2), "trainsnap-bench-")
 
-    print(f"machine: {_kv(machine)}")
-    print(f"state: {_kv(desc)}")
+    print(f"machine: {kv(machine)}")
+    print(f"state: {kv(desc)}")
     print(f"directory: {root} ({free / GiB:.0f} GiB free)")
     print(
         f"eviction: {'off (--warm)' if args.warm else 'posix_fadvise(DONTNEED) before each load'}"
@@ -290,10 +286,6 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _kv(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in d.items())
-
-
 def report(out: dict[str, Any]) -> str:
     res, ratios = out["results"], out["ratios"]
     nbytes = out["state"]["bytes"]
@@ -355,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--reps must be at least 1")
 
     out = run(args)
-    print(report(out))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    emit(out, report(out), args.json)
     return 0
 
 
