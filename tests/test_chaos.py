@@ -102,23 +102,27 @@ def _read_and_collect_through(storage: RetryingStorage) -> bool:
 # -- SIGKILL of a random rank during asynchronous multi-process saves -------------------------
 
 
+def _rank_part(step: int, rank: int, world: int) -> dict[str, object]:
+    """This rank's part of the state of ``step``: its rows of ``w``, the rest replicated."""
+    full = expected(step)
+    w = full["w"]
+    assert isinstance(w, torch.Tensor)
+    rows = 96 // world
+    local = w[rank * rows : (rank + 1) * rows].clone()
+    return {
+        "w": ts.Sharded(local, global_shape=(96, 1024), offsets=(rank * rows, 0)),
+        "small": full["small"],
+        "step": step,
+    }
+
+
 def _saving_ranks(rank: int, world: int, root: str, steps: int) -> None:
     after = os.environ.get("CHAOS_KILL_AFTER")
     if after:  # die at a random moment: training, staging, writing or committing
         threading.Timer(float(after), os.kill, (os.getpid(), signal.SIGKILL)).start()
     mgr = ts.CheckpointManager(root, interval=ts.Every(steps=1), timeout=30)
-    rows = 96 // world
     for step in range(1, steps + 1):
-        full = expected(step)
-        w = full["w"]
-        assert isinstance(w, torch.Tensor)
-        state = {
-            "w": ts.Sharded(w[rank * rows : (rank + 1) * rows].clone(), global_shape=(96, 1024),
-                            offsets=(rank * rows, 0)),
-            "small": full["small"],
-            "step": step,
-        }  # fmt: skip
-        mgr.step(step, state)
+        mgr.step(step, _rank_part(step, rank, world))
         time.sleep(0.05)
     mgr.close()
 
@@ -262,16 +266,7 @@ def test_restore_with_incompatible_format_model_or_optimizer(tmp_path):
 
 
 def _two_rank_save(rank: int, world: int, root: str, step: int, coordinator: int) -> str:
-    full = expected(step)
-    w = full["w"]
-    assert isinstance(w, torch.Tensor)
-    rows = 96 // world
-    state = {
-        "w": ts.Sharded(w[rank * rows : (rank + 1) * rows].clone(), global_shape=(96, 1024),
-                        offsets=(rank * rows, 0)),
-        "small": full["small"],
-        "step": step,
-    }  # fmt: skip
+    state = _rank_part(step, rank, world)
     return ts.save(state, root, step=step, coordinator=coordinator, timeout=30).id
 
 
