@@ -190,8 +190,12 @@ def gather(parts: list[memoryview], size: int) -> memoryview:
 
 
 def _map(nbytes: int) -> mmap.mmap:
-    """An anonymous private mapping (huge pages asked for where the kernel offers them: fewer
-    page faults the first time it is filled)."""
+    """An anonymous private mapping for bounce buffers (huge pages asked for where the kernel
+    offers them: fewer page faults the first time it is filled).
+
+    Mappings, not heap memory: freed heap chunks stay in per-thread malloc arenas, so a load
+    that cycled buffers through eight I/O threads would hold several times its budget in
+    resident memory; an unmapped region goes back to the operating system."""
     try:  # private: pages come straight from the allocator, not from shared memory
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (AttributeError, TypeError):  # platforms without these flags
@@ -200,26 +204,6 @@ def _map(nbytes: int) -> mmap.mmap:
         with contextlib.suppress(OSError):
             region.madvise(mmap.MADV_HUGEPAGE)
     return region
-
-
-@contextmanager
-def bounce_buffer(nbytes: int) -> Iterator[memoryview]:
-    """A temporary host buffer that goes back to the operating system when done.
-
-    Anonymous mappings, not heap memory: freed heap chunks stay in per-thread malloc arenas, so
-    a load that cycles bounce buffers through eight I/O threads would hold several times its
-    budget in resident memory. A mapping is unmapped on exit and the budget is what is resident.
-    """
-    if nbytes < (1 << 20):
-        yield memoryview(bytearray(nbytes))
-        return
-    region = _map(nbytes)
-    view = memoryview(region)
-    try:
-        yield view
-    finally:
-        view.release()
-        region.close()
 
 
 _POOL_ROUND = 2 << 20
@@ -421,7 +405,7 @@ class Reader:
         o: int,
         segments: list[tuple[int, int, memoryview]],
         key: str,
-        pool: BouncePool | None = None,
+        pool: BouncePool,
     ) -> None:
         """Read the blocks covering several small ranges of object ``o`` once, verify each block
         once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
@@ -433,7 +417,7 @@ class Reader:
         size = int(self.m.object_sizes[o])
         lo = min(s for s, _, _ in segments) // bs * bs
         hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
-        with pool.buffer(hi - lo) if pool is not None else bounce_buffer(hi - lo) as buf:
+        with pool.buffer(hi - lo) as buf:
             self._get(o, lo, buf, key)
             self._check(o, lo // bs, buf, key)
             for start, stop, out in segments:
