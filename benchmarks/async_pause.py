@@ -10,7 +10,7 @@ Two parts, one process, CPU tensors:
      shapes (``dst.copy_(src)`` per tensor): the limit of any staging copy.
    - ``np.copyto``: one ``np.copyto`` of a single buffer of the same total size into another
      (both touched): a second reference, one call, one thread.
-   - ``trainsnap``: ``trainsnap.save(..., async_save=True, saver=<a dedicated AsyncSaver>)``:
+   - ``trainsnap``: ``trainsnap.async_save(..., saver=<a dedicated AsyncSaver>)``:
      its pause (``handle.pause``) and the wall time of the call; its phases (capture, plan,
      stage) come from ``trainsnap.trace``.
    - ``dcp ...``: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter(thread_
@@ -171,7 +171,7 @@ class Trainsnap:
     def start(self, state: State, d: Path) -> tuple[ts.SaveHandle, float]:
         self.step += 1
         t0 = time.perf_counter()
-        h: Any = ts.save(state, d, step=self.step, async_save=True, saver=self.saver)
+        h: Any = ts.async_save(state, d, step=self.step, saver=self.saver)
         return h, time.perf_counter() - t0
 
     def run(self, state: State, d: Path, mutate: Callable[[], None] | None = None) -> Sample:
@@ -559,13 +559,13 @@ def measure_drain(
 
 
 def profile_pause(state: State, root: Path, tsm: Trainsnap, top: int) -> str:
-    """cProfile of one warm ``ts.save(..., async_save=True)`` call (the pause only)."""
+    """cProfile of one warm ``ts.async_save(...)`` call (the pause only)."""
     with fresh_dir(root, "profile-") as d:
         gc.collect()
         pr = cProfile.Profile()
         tsm.step += 1
         pr.enable()
-        h: Any = ts.save(state, d, step=tsm.step, async_save=True, saver=tsm.saver)
+        h: Any = ts.async_save(state, d, step=tsm.step, saver=tsm.saver)
         pr.disable()
         h.wait()
     buf = io.StringIO()
@@ -573,7 +573,7 @@ def profile_pause(state: State, root: Path, tsm: Trainsnap, top: int) -> str:
     st.sort_stats("tottime").print_stats(top)
     st.sort_stats("cumulative").print_stats(top)
     return (
-        f"cProfile of one warm ts.save(..., async_save=True) call (pause under the profiler: "
+        f"cProfile of one warm ts.async_save(...) call (pause under the profiler: "
         f"{h.pause:.3f}s; the profiler inflates Python-heavy code):\n{buf.getvalue()}"
     )
 

@@ -210,9 +210,13 @@ def _mincore_libc() -> Any:
         lib = ctypes.CDLL(name, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
             ctypes.c_long,
-        ]  # fmt: skip
+        ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         _libc = lib
@@ -488,8 +492,11 @@ def raw_write(
     d = Path(directory)
     views = [tensor_view(t) for t in tensors]
     layout = RawLayout.plan([len(v) for v in views], threads)
-    _run(threads, lambda i: _write_file(d / raw_file_name(i), _pieces(views, layout.files[i])),
-         len(layout.files))  # fmt: skip
+    _run(
+        threads,
+        lambda i: _write_file(d / raw_file_name(i), _pieces(views, layout.files[i])),
+        len(layout.files),
+    )
     fsync_dir(d)
     return layout
 
@@ -506,8 +513,11 @@ def raw_read(
     views = [tensor_view(t) for t in tensors]
     if layout is None:
         layout = RawLayout.plan([len(v) for v in views], threads)
-    got = _run(threads, lambda i: _read_file(d / raw_file_name(i), _pieces(views, layout.files[i])),
-               len(layout.files))  # fmt: skip
+    got = _run(
+        threads,
+        lambda i: _read_file(d / raw_file_name(i), _pieces(views, layout.files[i])),
+        len(layout.files),
+    )
     if got != layout.sizes:
         raise OSError(f"raw read: file sizes {got} differ from the layout's {layout.sizes}")
     return sum(got)

@@ -84,13 +84,15 @@ from common import (
     scratch_root,
     timed,
 )
-from trainsnap import commit, schema, tunables
-from trainsnap.assemble import assemble
-from trainsnap.checksum import Hasher
-from trainsnap.plan import layout_objects
-from trainsnap.saveplan import Entry, RankMeta, SavePlan, Value, plan_save
-from trainsnap.saving import SaveOptions, WriteReport
-from trainsnap.spec import Box
+from trainsnap import tunables
+from trainsnap.format import encoding
+from trainsnap.format.checksums import Hasher
+from trainsnap.format.layout import layout_objects
+from trainsnap.format.regions import Box
+from trainsnap.protocol import commit
+from trainsnap.protocol.assemble import assemble
+from trainsnap.protocol.planner import Entry, RankMeta, SavePlan, Value, plan_save
+from trainsnap.protocol.rank_save import SaveRequest, WriteReport
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
@@ -304,10 +306,10 @@ def _raw_plan(
     """The limit of a load: the byte ranges of the snapshot's object files that this rank's
     ``ts.load`` of ``dst`` reads (found with trainsnap's own load planner), merged per object and
     cut at 32 MiB, as (path, offset, length)."""
-    from trainsnap import loading
-    from trainsnap.capture import targets
-    from trainsnap.engine import Reader
-    from trainsnap.manifest import object_key
+    from trainsnap.engine.reader import Reader
+    from trainsnap.format.manifest import object_key
+    from trainsnap.protocol import rank_load
+    from trainsnap.state.capture import targets
 
     storage = ts.open_storage(d)
     (info,) = ts.list_snapshots(storage)
@@ -315,8 +317,8 @@ def _raw_plan(
     reader = Reader(storage, m)
     spans: dict[int, list[tuple[int, int]]] = {}
     indexes: dict[int, Any] = {}
-    for dest, ti in loading.match(m, targets(dst), rank, same_world):
-        for shard, pieces in loading._overlaps(m, ti, dest.item.region, indexes):
+    for dest, ti in rank_load.match(m, targets(dst), rank, same_world):
+        for shard, pieces in rank_load._overlaps(m, ti, dest.item.region, indexes):
             for piece in pieces:
                 lo, hi = piece.src_span()
                 for o, oo, _, n in reader.payload_runs(
@@ -551,7 +553,7 @@ def _results(per_rank: list[dict[str, Any]], fields: tuple[str, ...], warmup: in
 
 
 def run_io(args: argparse.Namespace, threads: int) -> dict[str, Any]:
-    from harness import assert_all_ok, run_ranks
+    from trainsnap.testing import assert_all_ok, run_ranks
 
     specs = state_specs(args.gib)
     desc = describe_specs(specs)
@@ -754,11 +756,11 @@ def run_sim() -> dict[str, Any]:
     sim_s, reports = timed(lambda: simulate_reports(plan, metas, flats))
     topology = {"world_size": world, "coordinator": 0, "mesh": {"pp": PP, "dp": DP, "tp": TP}}
     asm_s, manifest = timed(
-        lambda: assemble(sid, SaveOptions(step=100), hasher, metas, plan, reports, topology)
+        lambda: assemble(sid, SaveRequest(step=100), hasher, metas, plan, reports, topology)
     )
     print(f"  assemble {asm_s:.2f} s", flush=True)
-    enc_s, data = timed(lambda: schema.encode(manifest))
-    dec_s, decoded = timed(lambda: schema.decode(data))
+    enc_s, data = timed(lambda: encoding.encode(manifest))
+    dec_s, decoded = timed(lambda: encoding.decode(data))
     print(f"  manifest {len(data) / MiB:.1f} MiB, encode {enc_s:.2f} s, decode {dec_s:.2f} s")
 
     loads = plan.bytes_per_rank
@@ -921,8 +923,9 @@ def _report_io(out: dict[str, Any], checks: list[list[object]]) -> list[str]:
         rows = []
         for m in METHODS:
             t = med[f"reshard_load/{m}"]
-            rows.append([m, t, gbps(nbytes, t), _times(rs["load_s"][m]),
-                         _times(rs["warmup_load_s"][m])])  # fmt: skip
+            rows.append(
+                [m, t, gbps(nbytes, t), _times(rs["load_s"][m]), _times(rs["warmup_load_s"][m])]
+            )
         headers = ["method", "load s (median)", "load GB/s", "times (s)", "warm-up (s)"]
         lines.append(format_table(headers, rows))
         lines.append(
@@ -969,18 +972,30 @@ def _report_sim(sim: dict[str, Any], checks: list[list[object]]) -> list[str]:
         ["plan_save", f"{sim['plan_s']:.2f} s", f"< {PLAN_TARGET_S:g} s", _verdict(plan_ok)],
         ["simulate write reports (not planning)", f"{sim['simulate_reports_s']:.2f} s", "-", "-"],
         ["assemble", f"{sim['assemble_s']:.2f} s", "-", "-"],
-        ["schema.encode", f"{sim['encode_s']:.2f} s", "-", "-"],
+        ["encoding.encode", f"{sim['encode_s']:.2f} s", "-", "-"],
         ["manifest size", f"{sim['manifest_bytes'] / MiB:.1f} MiB", "-", "-"],
-        ["schema.decode", f"{sim['decode_s']:.2f} s", f"< {DECODE_TARGET_S:g} s",
-         _verdict(decode_ok)],
+        [
+            "encoding.decode",
+            f"{sim['decode_s']:.2f} s",
+            f"< {DECODE_TARGET_S:g} s",
+            _verdict(decode_ok),
+        ],
         ["writer bytes: max / mean", f"{b['max_over_mean']:.4f}", "-", "-"],
-        ["writer bytes: (max - mean) / largest shard", f"{b['excess_over_largest_shard']:.3f}",
-         "-", "-"],
-        ["writer bytes: max", f"{b['max'] / MiB:.1f} MiB",
-         f"<= {1 + BALANCE_SLACK:g} x mean + 1 shard = {bound / MiB:.1f} MiB", _verdict(b["ok"])],
+        [
+            "writer bytes: (max - mean) / largest shard",
+            f"{b['excess_over_largest_shard']:.3f}",
+            "-",
+            "-",
+        ],
+        [
+            "writer bytes: max",
+            f"{b['max'] / MiB:.1f} MiB",
+            f"<= {1 + BALANCE_SLACK:g} x mean + 1 shard = {bound / MiB:.1f} MiB",
+            _verdict(b["ok"]),
+        ],
         ["writer bytes: mean, min", f"{b['mean'] / MiB:.1f}, {b['min'] / MiB:.1f} MiB", "-", "-"],
         ["largest single shard", f"{b['largest_shard'] / MiB:.1f} MiB", "-", "-"],
-    ]  # fmt: skip
+    ]
     lines.append(format_table(["step", "value", "target", "result"], rows))
     checks.append(
         _check_row("4,096-rank plan_save (s)", sim["plan_s"], f"< {PLAN_TARGET_S:g}", plan_ok)

@@ -33,7 +33,8 @@ One process, CPU. Two parts:
    ``--train-steps`` AdamW steps on a synthetic regression task (a fixed random teacher), so
    weights and moments are trained values, not random ones. For each kind -- fp32 weights, the
    same weights cast to bf16, AdamW ``exp_avg``, ``exp_avg_sq`` -- a state holding only that
-   kind is saved with ``ts.save(..., compression=None | "zstd" | "bytegroup+zstd")`` into a fresh
+   kind is saved with ``ts.save(..., options=ts.SaveOptions(compression=...))`` (None,
+   "zstd", "bytegroup+zstd") into a fresh
    root and loaded back with ``ts.load`` into zeroed tensors, 3 times: stored size / raw size,
    and raw bytes / median seconds of the save (compression, hashing, writing) and of the load
    (reading from the page cache -- the file was just written -- verifying and decompressing).
@@ -216,10 +217,13 @@ def build_full(args: argparse.Namespace) -> Setup:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     step = _stepper(model, opt, _regression(model, d, 16, args.seed))
     return Setup(
-        model, opt, lambda k: {}, step,
+        model,
+        opt,
+        lambda k: {},
+        step,
         f"{layers} blocks of width {d}, {param_bytes(model) / MiB:.0f} MiB of fp32 parameters, "
         "AdamW over all of them",
-    )  # fmt: skip
+    )
 
 
 def build_lora(args: argparse.Namespace) -> Setup:
@@ -239,11 +243,14 @@ def build_lora(args: argparse.Namespace) -> Setup:
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     adapters = sum(p.numel() * p.element_size() for p in trainable)
     return Setup(
-        model, opt, lambda k: {}, step,
+        model,
+        opt,
+        lambda k: {},
+        step,
         f"frozen base: {layers} blocks of width {d} ({frozen / MiB:.0f} MiB); adapters of rank "
         f"{rank} on fc1 and fc2 of every block ({adapters / MiB:.2f} MiB, {len(trainable)} "
         "tensors), AdamW over the adapters only",
-    )  # fmt: skip
+    )
 
 
 def _build_sparse(args: argparse.Namespace, optimizer: str) -> Setup:
@@ -270,11 +277,14 @@ def _build_sparse(args: argparse.Namespace, optimizer: str) -> Setup:
 
     what = "SGD (no momentum, no weight decay)" if optimizer == "sgd" else "AdamW (no weight decay)"
     return Setup(
-        model, opt, begin, _stepper(model, opt, loss),
+        model,
+        opt,
+        begin,
+        _stepper(model, opt, loss),
         f"embedding {vocab} x {EMBED_DIM} fp32 ({vocab * EMBED_DIM * 4 / MiB:.0f} MiB) + head "
         f"{EMBED_DIM} x {classes}, {what}; each interval's tokens from a window of {window} "
         f"rows ({window * EMBED_DIM * 4 / MiB:.2f} MiB), {batch}x{seq} tokens a step",
-    )  # fmt: skip
+    )
 
 
 def scenarios() -> list[Scenario]:
@@ -397,7 +407,10 @@ def run_scenario(sc: Scenario, base: Path, args: argparse.Namespace) -> dict[str
         SaveLog() as log,
         fresh_dir(base, f"{sc.name}-") as root,
         ts.CheckpointManager(
-            root, async_save=False, chunk_size=sc.chunk_size, preemption_signals=()
+            root,
+            async_save=False,
+            save_options=ts.SaveOptions(chunk_size=sc.chunk_size),
+            options=ts.ManagerOptions(preemption_signals=()),
         ) as mgr,
     ):
         for k in range(args.snapshots):
@@ -414,13 +427,20 @@ def run_scenario(sc: Scenario, base: Path, args: argparse.Namespace) -> dict[str
             ch = compare(cur, prev, chunk, threshold, sc.rows_of) if prev is not None else None
             prev = {key: v.detach().clone() for key, v in cur.items()}
             rec.update(
-                snapshot=k + 1, step=step, state_bytes=state_nbytes(cur), referenced=referenced,
-                written=written, dedup=1 - written / referenced, save_s=save_s, train_s=train_s,
-                loss=losses[-1], log_agrees=logged == (referenced, written),
+                snapshot=k + 1,
+                step=step,
+                state_bytes=state_nbytes(cur),
+                referenced=referenced,
+                written=written,
+                dedup=1 - written / referenced,
+                save_s=save_s,
+                train_s=train_s,
+                loss=losses[-1],
+                log_agrees=logged == (referenced, written),
                 changed_bytes=None if ch is None else ch.elements_bytes,
                 chunk_changed_bytes=None if ch is None else ch.chunk_bytes,
                 rows_changed=None if ch is None else ch.rows,
-            )  # fmt: skip
+            )
             snaps.append(rec)
             print(
                 f"  snapshot {k + 1}/{args.snapshots} step {step}: wrote {written / MiB:.1f} of "
@@ -458,17 +478,34 @@ def report_incremental(results: list[dict[str, Any]]) -> str:
     for r in results:
         lines += ["", f"{r['label']}: {r['notes']}"]
         sparse = r["rows_of"] is not None
-        headers = ["snap", "step", "state MiB", "referenced MiB", "written MiB", "written %",
-                   "dedup %", "changed MiB", "chunks changed MiB", "save s"]  # fmt: skip
+        headers = [
+            "snap",
+            "step",
+            "state MiB",
+            "referenced MiB",
+            "written MiB",
+            "written %",
+            "dedup %",
+            "changed MiB",
+            "chunks changed MiB",
+            "save s",
+        ]
         if sparse:
             headers[2:2] = ["window", "rows changed"]
         rows = []
         for s in r["snapshots"]:
             row: list[object] = [
-                s["snapshot"], s["step"], s["state_bytes"] / MiB, s["referenced"] / MiB,
-                s["written"] / MiB, 100 * s["written"] / s["referenced"], 100 * s["dedup"],
-                _mib(s["changed_bytes"]), _mib(s["chunk_changed_bytes"]), s["save_s"],
-            ]  # fmt: skip
+                s["snapshot"],
+                s["step"],
+                s["state_bytes"] / MiB,
+                s["referenced"] / MiB,
+                s["written"] / MiB,
+                100 * s["written"] / s["referenced"],
+                100 * s["dedup"],
+                _mib(s["changed_bytes"]),
+                _mib(s["chunk_changed_bytes"]),
+                s["save_s"],
+            ]
             if sparse:
                 w = s.get("window")
                 row[2:2] = [f"{w[0]}-{w[1]}" if w else "-", s["rows_changed"] or "-"]
@@ -504,17 +541,36 @@ def report_incremental(results: list[dict[str, Any]]) -> str:
         verdict = "-"
         if r["target"] is not None:
             verdict = "met" if r["every_later_snapshot_within_target"] else "MISSED"
-        rows.append([
-            r["label"], first["referenced"] / MiB, first["written"] / MiB,
-            median([s["written"] / MiB for s in r["snapshots"][1:]]),
-            100 * r["median_written_fraction_after_first"], target, verdict,
-            median([s["written"] / s["chunk_changed_bytes"] for s in r["snapshots"][1:]
-                    if s["chunk_changed_bytes"]]),
-            r["median_save_s_after_first"],
-        ])  # fmt: skip
-    headers = ["scenario", "referenced MiB", "1st written MiB", "later written MiB",
-               "written/referenced %", "target", "result", "written/chunks changed",
-               "later save s"]  # fmt: skip
+        rows.append(
+            [
+                r["label"],
+                first["referenced"] / MiB,
+                first["written"] / MiB,
+                median([s["written"] / MiB for s in r["snapshots"][1:]]),
+                100 * r["median_written_fraction_after_first"],
+                target,
+                verdict,
+                median(
+                    [
+                        s["written"] / s["chunk_changed_bytes"]
+                        for s in r["snapshots"][1:]
+                        if s["chunk_changed_bytes"]
+                    ]
+                ),
+                r["median_save_s_after_first"],
+            ]
+        )
+    headers = [
+        "scenario",
+        "referenced MiB",
+        "1st written MiB",
+        "later written MiB",
+        "written/referenced %",
+        "target",
+        "result",
+        "written/chunks changed",
+        "later save s",
+    ]
     lines.append(format_table(headers, rows, digits=2))
     return "\n".join(lines)
 
@@ -553,7 +609,9 @@ def measure_codec(state: State, codec: str | None, base: Path) -> dict[str, Any]
         dst = empty_like_state(state)
         with SaveLog() as log, fresh_dir(base, f"codec-{codec}-") as root:
             s, info = timed(
-                lambda root=root, rep=rep: ts.save(state, root, step=rep, compression=codec)
+                lambda root=root, rep=rep: ts.save(
+                    state, root, step=rep, options=ts.SaveOptions(compression=codec)
+                )
             )
             ls, _ = timed(lambda root=root, dst=dst: ts.load(dst, root))
             check_bitwise_equal(state, dst, f"{codec} load, repetition {rep + 1}")
@@ -618,14 +676,30 @@ def report_compression(out: dict[str, Any]) -> str:
     rows = []
     for r in out["results"]:
         lw = r["logged_referenced_written"]
-        rows.append([
-            r["kind"], r["codec"], r["raw_bytes"] / MiB, r["stored_bytes"] / MiB,
-            100 * r["ratio"], r["save_MBps"], r["load_MBps"],
-            "-" if lw is None else f"{lw[1] / MiB:.2f}",
-            "yes" if r["bitwise_equal"] else "NO",
-        ])  # fmt: skip
-    headers = ["kind", "codec", "raw MiB", "stored MiB", "stored/raw %", "save MB/s",
-               "load MB/s", "logged written MiB", "bitwise"]  # fmt: skip
+        rows.append(
+            [
+                r["kind"],
+                r["codec"],
+                r["raw_bytes"] / MiB,
+                r["stored_bytes"] / MiB,
+                100 * r["ratio"],
+                r["save_MBps"],
+                r["load_MBps"],
+                "-" if lw is None else f"{lw[1] / MiB:.2f}",
+                "yes" if r["bitwise_equal"] else "NO",
+            ]
+        )
+    headers = [
+        "kind",
+        "codec",
+        "raw MiB",
+        "stored MiB",
+        "stored/raw %",
+        "save MB/s",
+        "load MB/s",
+        "logged written MiB",
+        "bitwise",
+    ]
     lines.append(format_table(headers, rows, digits=1))
     if any(
         r["logged_referenced_written"] and r["logged_referenced_written"][1] > r["stored_bytes"]
@@ -660,13 +734,15 @@ def warm_up(base: Path) -> float:
     state = ts.TrainState(model=model, optimizer=opt)
     t0 = time.perf_counter()
     with fresh_dir(base, "warm-up-") as root:
-        with ts.CheckpointManager(root, async_save=False, preemption_signals=()) as mgr:
+        with ts.CheckpointManager(
+            root, async_save=False, options=ts.ManagerOptions(preemption_signals=())
+        ) as mgr:
             mgr.save(1, state)
         ts.load(state, root)
     tensors = {"w": model.weight.detach().clone()}
     for codec in CODECS:
         with fresh_dir(base, "warm-up-") as root:
-            ts.save(tensors, root, step=1, compression=codec)
+            ts.save(tensors, root, step=1, options=ts.SaveOptions(compression=codec))
             ts.load(empty_like_state(tensors), root)
     return time.perf_counter() - t0
 
@@ -718,18 +794,24 @@ def report(out: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--mib", type=float, default=256,
+        "--mib",
+        type=float,
+        default=256,
         help="fp32 parameter MiB of the full / LoRA stack and of the embedding (default 256)",
-    )  # fmt: skip
+    )
     p.add_argument("--snapshots", type=int, default=5, help="snapshots per scenario (default 5)")
     p.add_argument(
-        "--steps-between", type=int, default=3,
+        "--steps-between",
+        type=int,
+        default=3,
         help="optimizer steps before each snapshot (default 3)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--train-steps", type=int, default=300,
+        "--train-steps",
+        type=int,
+        default=300,
         help="AdamW steps before measuring compression (default 300)",
-    )  # fmt: skip
+    )
     p.add_argument("--part", choices=("all", "incremental", "compression"), default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

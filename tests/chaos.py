@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 import trainsnap as ts
-from trainsnap import commit, gc
+from trainsnap.manager import collection
+from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
 
 
@@ -131,7 +132,7 @@ def check_contract(
             pass
     # Collection with no writer active, then everything that loaded must still load.
     try:
-        gc.collect(storage, grace=None)
+        collection.collect(storage, grace=None)
     except ts.TrainsnapError:
         return violations, True  # a committed manifest is damaged: collection refuses (detected)
     on_disk = {k.rsplit("/", 1)[-1] for k in storage.list("objects/")}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import trainsnap as ts
-from harness import assert_all_ok, run_ranks
 from trainsnap import faults, trace
 from trainsnap.faults import InjectedFault
+from trainsnap.testing import assert_all_ok, run_ranks
 
 
 def _state() -> dict:
@@ -70,11 +70,13 @@ def test_mutating_every_tensor_right_after_return_does_not_change_the_snapshot(t
     handles = []
     for step in range(3):
         expected.append(
-            {**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
-             "small": [s.clone() for s in state["small"]],
-             "cfg": {"lr": state["cfg"]["lr"], "history": list(state["cfg"]["history"])}}
-        )  # fmt: skip
-        handles.append(ts.save(state, tmp_path, step=step, async_save=True, saver=saver))
+            {
+                **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
+                "small": [s.clone() for s in state["small"]],
+                "cfg": {"lr": state["cfg"]["lr"], "history": list(state["cfg"]["history"])},
+            }
+        )
+        handles.append(ts.async_save(state, tmp_path, step=step, saver=saver))
         _mutate(state)  # at once, while the background writes
     infos = [h.wait() for h in handles]
     saver.close()
@@ -98,7 +100,7 @@ def test_saves_in_flight_never_exceed_the_bound(tmp_path):
     watcher = threading.Thread(target=watch)
     watcher.start()
     state = {"w": torch.randn(64, 4096)}
-    handles = [ts.save(state, tmp_path, step=s, async_save=True, saver=saver) for s in range(6)]
+    handles = [ts.async_save(state, tmp_path, step=s, saver=saver) for s in range(6)]
     saver.close()
     stop.set()
     watcher.join()
@@ -112,9 +114,10 @@ def test_a_busy_saver_can_skip_instead_of_waiting(tmp_path, caplog):
     faults.install("after_write=delay:0.3")
     saver = ts.AsyncSaver(max_in_flight=1, skip_if_busy=True)
     state = {"w": torch.randn(8, 8)}
-    first = ts.save(state, tmp_path, step=1, async_save=True, saver=saver)
-    second = ts.save(state, tmp_path, step=2, async_save=True, saver=saver)
-    assert first is not None and second is None
+    first = ts.async_save(state, tmp_path, step=1, saver=saver)
+    with pytest.raises(ts.TrainsnapError, match="step 2 was skipped"):
+        ts.async_save(state, tmp_path, step=2, saver=saver)
+    assert first.snapshot_id
     assert any("skipped" in r.getMessage() for r in caplog.records)
     saver.close()
     assert [s.step for s in ts.list_snapshots(tmp_path)] == [1]
@@ -124,16 +127,16 @@ def test_a_failing_background_write_surfaces_at_the_next_call_with_its_cause(tmp
     saver = ts.AsyncSaver()
     state = {"w": torch.randn(16, 16)}
     faults.install("before_write=raise")
-    failed = ts.save(state, tmp_path, step=1, async_save=True, saver=saver)
+    failed = ts.async_save(state, tmp_path, step=1, saver=saver)
     assert failed is not None
     failed._done.wait(30)
     faults.clear()
     with pytest.raises(ts.CommitFailedError) as e:
-        ts.save(state, tmp_path, step=2, async_save=True, saver=saver)
+        ts.async_save(state, tmp_path, step=2, saver=saver)
     assert isinstance(e.value.__cause__, InjectedFault)
     assert "injected fault at before_write" in str(e.value)
     # Raised once: the saver goes on working afterwards.
-    ok = ts.save(state, tmp_path, step=3, async_save=True, saver=saver)
+    ok = ts.async_save(state, tmp_path, step=3, saver=saver)
     saver.close()
     assert ok is not None and ok.wait().step == 3
     assert [s.step for s in ts.list_snapshots(tmp_path)] == [3]
@@ -144,7 +147,7 @@ def test_a_failing_background_write_surfaces_at_the_next_call_with_its_cause(tmp
 def test_close_raises_a_background_error(tmp_path):
     saver = ts.AsyncSaver()
     faults.install("before_marker=raise")
-    ts.save({"w": torch.ones(3)}, tmp_path, step=1, async_save=True, saver=saver)
+    ts.async_save({"w": torch.ones(3)}, tmp_path, step=1, saver=saver)
     with pytest.raises(ts.CommitFailedError):
         saver.close()
     assert ts.list_snapshots(tmp_path) == []
@@ -156,7 +159,7 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
         import torch, trainsnap as ts
         from trainsnap import faults
         faults.install("after_write=delay:0.5")
-        ts.save({{"w": torch.ones(1000)}}, {str(tmp_path)!r}, step=4, async_save=True)
+        ts.async_save({{"w": torch.ones(1000)}}, {str(tmp_path)!r}, step=4)
         print("returned", flush=True)
         """
     )
@@ -168,7 +171,7 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
 
 def test_staging_budget_falls_back_to_a_synchronous_save(tmp_path, caplog):
     saver = ts.AsyncSaver(staging_budget=1024)
-    h = ts.save({"w": torch.randn(1000)}, tmp_path, step=1, async_save=True, saver=saver)
+    h = ts.async_save({"w": torch.randn(1000)}, tmp_path, step=1, saver=saver)
     assert h is not None and h.wait().step == 1
     saver.close()
     assert saver.pool.allocated == 0
@@ -178,10 +181,10 @@ def test_staging_budget_falls_back_to_a_synchronous_save(tmp_path, caplog):
 def test_buffers_are_reused_across_saves(tmp_path):
     saver = ts.AsyncSaver()
     state = {"w": torch.randn(1 << 16), "v": torch.randn(3, 1 << 12)}
-    ts.save(state, tmp_path, step=1, async_save=True, saver=saver).wait()
+    ts.async_save(state, tmp_path, step=1, saver=saver).wait()
     after_first = saver.pool.allocated
     for s in range(2, 5):
-        ts.save(state, tmp_path, step=s, async_save=True, saver=saver).wait()
+        ts.async_save(state, tmp_path, step=s, saver=saver).wait()
     saver.close()
     assert after_first == saver.pool.allocated == (1 << 16) * 4 + 3 * (1 << 12) * 4
 
@@ -193,7 +196,7 @@ def _traced_async_save(rank: int, world: int, root: str, out: str) -> list[str]:
     trace.enable(rank)
     local = torch.full((256, 256), float(rank))
     state = {"w": ts.Sharded(local, global_shape=(256 * world, 256), offsets=(256 * rank, 0))}
-    handle = ts.save(state, root, step=7, async_save=True, timeout=60)
+    handle = ts.async_save(state, root, step=7, timeout=60)
     handle.wait()
     path = trace.export(f"{out}/trace.rank{rank}.json")
     return [e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -219,7 +222,7 @@ def test_a_two_rank_async_save_is_traced_in_chrome_format(tmp_path, caplog):
 
 def test_each_save_logs_one_summary_line_with_pause_and_drain(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="trainsnap")
-    ts.save({"w": torch.randn(1000)}, tmp_path, step=1, async_save=True).wait()
+    ts.async_save({"w": torch.randn(1000)}, tmp_path, step=1).wait()
     lines = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"]
     assert len(lines) == 1
     for field in ("pause=", "drain=", "bytes=", "MBps="):

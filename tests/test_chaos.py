@@ -23,11 +23,13 @@ import torch
 
 import trainsnap as ts
 from chaos import blank, check_contract, expected, record, same, trials
-from harness import run_ranks
-from trainsnap import gc, manifest, schema
-from trainsnap.checksum import Hasher
+from trainsnap.format import encoding, manifest
+from trainsnap.format.checksums import Hasher
+from trainsnap.manager import collection
+from trainsnap.protocol import commit
 from trainsnap.storage import PosixStorage, RetryingStorage
 from trainsnap.storage.faulty import FaultPlan, FaultyStorage
+from trainsnap.testing import run_ranks
 
 pytestmark = pytest.mark.chaos
 
@@ -62,7 +64,7 @@ def test_storage_faults(fault, tmp_path):
         for step in (2, 3, 4):
             try:
                 if step == 3:  # one asynchronous save among the synchronous ones
-                    h = ts.save(expected(step), storage, step=step, async_save=True, saver=saver)
+                    h = ts.async_save(expected(step), storage, step=step, saver=saver)
                     h.wait()
                 else:
                     ts.save(expected(step), storage, step=step)
@@ -93,7 +95,7 @@ def _read_and_collect_through(storage: RetryingStorage) -> bool:
             info = ts.load(dst, storage)
             if not same(dst, expected(info.step)):
                 raise AssertionError(f"snapshot of step {info.step} loaded different values")
-        gc.collect(storage, grace=60.0)
+        collection.collect(storage, grace=60.0)
     except (ts.TrainsnapError, OSError):
         return True
     return False
@@ -120,7 +122,9 @@ def _saving_ranks(rank: int, world: int, root: str, steps: int) -> None:
     after = os.environ.get("CHAOS_KILL_AFTER")
     if after:  # die at a random moment: training, staging, writing or committing
         threading.Timer(float(after), os.kill, (os.getpid(), signal.SIGKILL)).start()
-    mgr = ts.CheckpointManager(root, interval=ts.Every(steps=1), timeout=30)
+    mgr = ts.CheckpointManager(
+        root, interval=ts.Every(steps=1), options=ts.ManagerOptions(timeout=30)
+    )
     for step in range(1, steps + 1):
         mgr.step(step, _rank_part(step, rank, world))
         time.sleep(0.05)
@@ -133,10 +137,13 @@ def test_sigkill_random_rank_during_async_saves(tmp_path):
         root = str(tmp_path / f"t{trial}")
         victim, after = rng.randrange(2), rng.uniform(4.0, 7.0)
         results = run_ranks(
-            _saving_ranks, 2, args=(root, 40), timeout=120,
+            _saving_ranks,
+            2,
+            args=(root, 40),
+            timeout=120,
             env={"TRAINSNAP_HEARTBEAT_SECONDS": "5"},
             rank_env={victim: {"CHAOS_KILL_AFTER": str(after)}},
-        )  # fmt: skip
+        )
         killed = any(r.killed for r in results)
         violations, damaged = check_contract(Path(root), fresh=blank)
         record("SIGKILL of a random rank during async saves", killed or damaged, violations)
@@ -151,9 +158,7 @@ def test_a_save_while_the_previous_one_drains(tmp_path):
         root = tmp_path / f"t{trial}"
         storage = _faulty(root, "latency=0.01", seed=trial)
         saver = ts.AsyncSaver(max_in_flight=1)
-        handles = [
-            ts.save(expected(s), storage, step=s, async_save=True, saver=saver) for s in (1, 2, 3)
-        ]
+        handles = [ts.async_save(expected(s), storage, step=s, saver=saver) for s in (1, 2, 3)]
         saver.close()
         ok = all(
             h is not None and h.wait().step == s for h, s in zip(handles, (1, 2, 3), strict=True)
@@ -191,8 +196,10 @@ def test_preemption_during_a_save(tmp_path):
         env = dict(os.environ, TRAINSNAP_STORAGE_FAULTS="latency=0.02")
         proc = subprocess.Popen(
             [sys.executable, "-c", _PREEMPT, str(root), str(Path(__file__).parent)],
-            stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("saving 10"):
@@ -213,9 +220,9 @@ def test_preemption_during_a_save(tmp_path):
 
 def _reseal(root: Path, sid: str, edit) -> None:
     mpath = root / manifest.manifest_key(sid)
-    doc, body = schema.unpack(mpath.read_bytes())
+    doc, body = encoding.unpack(mpath.read_bytes())
     edit(doc)
-    raw = schema.pack(doc, bytes(body))
+    raw = encoding.pack(doc, bytes(body))
     mpath.write_bytes(raw)
     kpath = root / manifest.marker_key(sid)
     mk = json.loads(kpath.read_bytes())
@@ -275,14 +282,20 @@ def test_coordinator_dies_between_manifest_and_marker(tmp_path):
         root = str(tmp_path / f"t{trial}")
         ts.save(expected(1), root, step=1)
         env = {"TRAINSNAP_HEARTBEAT_SECONDS": "5"}
-        first = run_ranks(_two_rank_save, 2, args=(root, 2, 0), timeout=120, env=env,
-                          rank_env={0: {"TRAINSNAP_FAULTS": "before_marker=crash"}})  # fmt: skip
+        first = run_ranks(
+            _two_rank_save,
+            2,
+            args=(root, 2, 0),
+            timeout=120,
+            env=env,
+            rank_env={0: {"TRAINSNAP_FAULTS": "before_marker=crash"}},
+        )
         assert first[0].killed
         # The job restarts with another coordinator and retries the same step.
         again = run_ranks(_two_rank_save, 2, args=(root, 2, 1), timeout=120, env=env)
         sids = {r.value for r in again}
         storage = ts.open_storage(root)
-        leftovers = ts.commit.snapshot_ids(storage) - {s.id for s in ts.list_snapshots(storage)}
+        leftovers = commit.snapshot_ids(storage) - {s.id for s in ts.list_snapshots(storage)}
         violations, _ = check_contract(Path(root))
         if len(sids) != 1 or [s.step for s in ts.list_snapshots(root)] != [1, 2]:
             violations.append(
@@ -292,7 +305,7 @@ def test_coordinator_dies_between_manifest_and_marker(tmp_path):
             violations.append(
                 "the dead coordinator's manifest was not left as an uncommitted snapshot"
             )
-        if ts.commit.snapshot_ids(storage) - {s.id for s in ts.list_snapshots(storage)}:
+        if commit.snapshot_ids(storage) - {s.id for s in ts.list_snapshots(storage)}:
             violations.append("collection left the dead attempt's manifest behind")
         record("coordinator dies between manifest and marker", first[0].killed, violations)
         assert not violations, violations
@@ -318,12 +331,12 @@ def test_collection_after_close_under_a_lagging_listing(tmp_path):
             state["step"] = 2
             state["small"] = expected(2)["small"]  # w unchanged: its object is reused
             mgr.save(2, state)
-        gc.delete_snapshot(ts.open_storage(root), ts.list_snapshots(root)[0].id)  # step 1
+        collection.delete_snapshot(ts.open_storage(root), ts.list_snapshots(root)[0].id)  # step 1
         # Now the only snapshot referencing w's (old, visible) object is step 2, which the
         # lagging listing does not show yet.
         refused = False
         try:
-            gc.collect_root(storage)
+            collection.collect_root(storage)
         except ts.TrainsnapError as e:
             refused = "lagging listing" in str(e)
 

@@ -12,13 +12,13 @@ import torch
 from typer.testing import CliRunner, Result
 
 import trainsnap
-from trainsnap import commit
-from trainsnap.cli import app
-from trainsnap.manifest import object_key
-from trainsnap.render import geometry_text, human_size
-from trainsnap.spec import Box, Flat
+from trainsnap.api.verification import verify_root
+from trainsnap.format.manifest import object_key
+from trainsnap.format.regions import Box, Flat
+from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
-from trainsnap.verify import verify_root
+from trainsnap.tools.cli import app
+from trainsnap.tools.render import geometry_text, human_size
 
 STEPS = (10, 1, 5)
 """Saved out of order, so that listing order is the command's doing."""
@@ -42,7 +42,12 @@ def state(step: int) -> dict[str, object]:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     for step in STEPS:
-        trainsnap.save(state(step), str(tmp_path), step=step, tokens_seen=step * 100)
+        trainsnap.save(
+            state(step),
+            str(tmp_path),
+            step=step,
+            options=trainsnap.SaveOptions(tokens_seen=step * 100),
+        )
     return tmp_path
 
 
@@ -114,7 +119,7 @@ def test_show_prints_keys_shapes_dtypes(root: Path) -> None:
     for expected in ("model.w", "(3, 4)", "float32", "model.b", "(3,)", "float16", "epoch"):
         assert expected in out
     assert "tokens seen   500" in out
-    assert f"format        version {trainsnap.manifest.FORMAT_VERSION}" in out
+    assert f"format        version {trainsnap.format.manifest.FORMAT_VERSION}" in out
 
 
 def test_show_json_latest(root: Path) -> None:
@@ -122,7 +127,7 @@ def test_show_json_latest(root: Path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["id"] == ids_by_step(root)[10]
-    assert doc["step"] == 10 and doc["format_version"] == trainsnap.manifest.FORMAT_VERSION
+    assert doc["step"] == 10 and doc["format_version"] == trainsnap.format.manifest.FORMAT_VERSION
     tensors = {t["key"]: t for t in doc["tensors"]}
     assert tensors["model.w"]["shape"] == [3, 4]
     assert tensors["model.w"]["dtype"] == "float32"
@@ -178,19 +183,29 @@ def test_verify_unknown_id_is_an_error(root: Path, sid: str) -> None:
 @pytest.mark.slow
 def test_demo_crashes_resumes_on_another_topology_and_passes(tmp_path: Path) -> None:
     png = tmp_path / "loss.png"
-    cmd = [sys.executable, "-m", "trainsnap.cli", "demo", "--steps", "24",
-           "--root", str(tmp_path / "run"), "--plot", str(png)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainsnap.tools.cli",
+        "demo",
+        "--steps",
+        "24",
+        "--root",
+        str(tmp_path / "run"),
+        "--plot",
+        str(png),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: the run continued the same trajectory" in out.stdout
     assert "SIGKILLed while writing the save of step 16" in out.stdout
     assert "at level 'strict'" in out.stdout and "all blocks ok" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert trainsnap.verify(tmp_path / "run").ok
+    assert trainsnap.api.verification(tmp_path / "run").ok
 
 
 def test_demo_judge_fails_a_run_that_did_not_continue() -> None:
-    from trainsnap.demo import Phase, _judge
+    from trainsnap.tools.demo import Phase, _judge
 
     def rows(losses: dict[int, float], ids: dict[int, list[int]]) -> list[dict]:
         return [{"event": "step", "step": s, "loss": v, "ids": ids[s]} for s, v in losses.items()]
@@ -200,23 +215,29 @@ def test_demo_judge_fails_a_run_that_did_not_continue() -> None:
     crash = Phase("crashed", 2, 2, "c", crash_at=6)
     crash.rows = rows({s: 5.0 - s / 10 for s in range(6)}, {s: [s] for s in range(6)})
     good = Phase("resumed", 2, 1, "c")
-    good.rows = [{"event": "restore", "step": 3, "level": "strict"}, *rows(
-        {s: 5.0 - s / 10 for s in range(4, 8)}, {s: [s] for s in range(4, 8)})]  # fmt: skip
+    good.rows = [
+        {"event": "restore", "step": 3, "level": "strict"},
+        *rows({s: 5.0 - s / 10 for s in range(4, 8)}, {s: [s] for s in range(4, 8)}),
+    ]
     assert _judge(ref, crash, good).ok
     skipped = Phase("resumed", 2, 1, "c")
-    skipped.rows = [good.rows[0], *rows({s: 5.0 - s / 10 for s in range(4, 8)},
-                                       {s: [s + 1] for s in range(4, 8)})]  # fmt: skip
+    skipped.rows = [
+        good.rows[0],
+        *rows({s: 5.0 - s / 10 for s in range(4, 8)}, {s: [s + 1] for s in range(4, 8)}),
+    ]
     assert not _judge(ref, crash, skipped).ok
     drifted = Phase("resumed", 2, 1, "c")
-    drifted.rows = [good.rows[0], *rows({s: 5.1 - s / 10 for s in range(4, 8)},
-                                       {s: [s] for s in range(4, 8)})]  # fmt: skip
+    drifted.rows = [
+        good.rows[0],
+        *rows({s: 5.1 - s / 10 for s in range(4, 8)}, {s: [s] for s in range(4, 8)}),
+    ]
     verdict = _judge(ref, crash, drifted)
     assert not verdict.ok and verdict.max_rel > 1e-3
 
 
 def test_module_entry_point_reports_errors_without_traceback(root: Path) -> None:
     sid = "step-000000000099-deadbeef"
-    cmd = [sys.executable, "-m", "trainsnap.cli", "verify", str(root), sid]
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "verify", str(root), sid]
     bad = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert bad.stderr.startswith(f"error: snapshot {sid} does not exist")

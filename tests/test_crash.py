@@ -103,8 +103,8 @@ _COLLECT = textwrap.dedent(
     from trainsnap import gc
     storage = ts.open_storage(sys.argv[1])
     old = ts.list_snapshots(storage)[0]
-    gc.delete_snapshot(storage, old.id)
-    gc.collect(storage, grace=None)
+    collection.delete_snapshot(storage, old.id)
+    collection.collect(storage, grace=None)
     """
 )
 
@@ -123,8 +123,8 @@ def test_sigkill_during_deletion_and_collection_breaks_nothing(tmp_path, point):
     ts.load(dst, root)
     assert torch.equal(dst["w"], _expected(20)["w"])
     # Collecting again finishes the job.
-    from trainsnap import gc
+    from trainsnap.manager import collection
 
-    gc.collect(ts.open_storage(root), grace=None)
+    collection.collect(ts.open_storage(root), grace=None)
     report = ts.verify(root)
     assert report.ok and report.uncommitted == []

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import trainsnap as ts
 from trainsnap import tunables
-from trainsnap.cli import app
-from trainsnap.diff import (
+from trainsnap.tools.cli import app
+from trainsnap.tools.diff import (
     ADDED,
     CHANGED,
     REMOVED,
@@ -100,8 +100,13 @@ def test_numbers_match_torch_and_every_key_is_classified(root) -> None:
     assert diffs["model.gone"].shape_a == (5,) and diffs["model.gone"].shape_b is None
     assert diffs["model.new"].dtype_b == "float32" and diffs["model.new"].dtype_a is None
     assert summary(list(diffs.values())) == {
-        CHANGED: 1, UNCHANGED: 2, ADDED: 1, REMOVED: 1, RETYPED: 1, RESHAPED: 1,
-    }  # fmt: skip
+        CHANGED: 1,
+        UNCHANGED: 2,
+        ADDED: 1,
+        REMOVED: 1,
+        RETYPED: 1,
+        RESHAPED: 1,
+    }
 
 
 def test_a_changed_nan_and_a_zero_reference(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 import trainsnap as ts
-from harness import assert_all_ok, errors_by_rank, run_ranks
+from trainsnap.format.regions import Flat
+from trainsnap.protocol import commit
+from trainsnap.testing import assert_all_ok, errors_by_rank, run_ranks
 
 # -- the reference state --------------------------------------------------------------------------
 
@@ -92,7 +94,7 @@ def _local_reference(key: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(value, ts.Sharded):
         region = value.region
         full = ref[key]
-        if isinstance(region, ts.spec.Flat):
+        if isinstance(region, Flat):
             want = full.reshape(-1)[region.start : region.start + region.length]
         else:
             idx = tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes, strict=True))
@@ -114,8 +116,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def check_state(state: dict) -> int:
     """Bitwise comparison of every local element with the reference; returns elements checked."""
     n = 0
-    flat = {"emb": state["emb"], "proj": state["proj"], "norm": state["norm"],
-            "opt.exp_avg": state["opt"]["exp_avg"], "experts": state["experts"]}  # fmt: skip
+    flat = {
+        "emb": state["emb"],
+        "proj": state["proj"],
+        "norm": state["norm"],
+        "opt.exp_avg": state["opt"]["exp_avg"],
+        "experts": state["experts"],
+    }
     for key, value in flat.items():
         got, want = _local_reference(key, value)
         assert got.dtype == want.dtype and got.shape == want.shape, key
@@ -162,7 +169,7 @@ def test_reshard_matrix(tmp_path):
 def test_replicas_are_written_once_and_balanced(tmp_path):
     root = str(tmp_path)
     ids = assert_all_ok(run_ranks(save_rank, 4, args=(root,), timeout=120))
-    m = ts.commit.open_snapshot(ts.open_storage(root), ids[0])
+    m = commit.open_snapshot(ts.open_storage(root), ids[0])
     keys = list(zip(m.tensor_keys, m.tensor_ranks.tolist(), strict=True))
     assert all(r == -1 for _, r in keys), keys  # nothing stored per rank
     shards = {k: len(m.tensor_shards(i)) for i, (k, _) in enumerate(keys)}
@@ -260,12 +267,14 @@ def _save_per_rank(rank: int, world: int, root: str) -> str:
 def test_per_rank_state_maps_rank_to_rank_and_refuses_another_world(tmp_path):
     root = str(tmp_path)
     (sid, _) = assert_all_ok(run_ranks(_save_per_rank, 2, args=(root,), timeout=90))
-    m = ts.commit.open_snapshot(ts.open_storage(root), sid)
+    m = commit.open_snapshot(ts.open_storage(root), sid)
     scoped = sorted(zip(m.tensor_keys, m.tensor_ranks.tolist(), strict=True))
     assert scoped == [("r", 0), ("r", 1), ("same", -1)]
     assert sorted(zip(m.value_keys, m.value_ranks.tolist(), strict=True)) == [
-        ("cfg.lr", -1), ("cfg.rank", 0), ("cfg.rank", 1)
-    ]  # fmt: skip
+        ("cfg.lr", -1),
+        ("cfg.rank", 0),
+        ("cfg.rank", 1),
+    ]
     assert assert_all_ok(run_ranks(_load_lookup, 2, args=(root,), timeout=90)) == ["ok", "ok"]
     out = assert_all_ok(run_ranks(_load_lookup, 3, args=(root,), timeout=90))
     assert all("IncompatibleError" in o and "per-rank state" in o and "'r'" in o for o in out), out

@@ -14,17 +14,17 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import trainsnap as ts
-from trainsnap.cli import app
-from trainsnap.export import (
+from trainsnap.format.manifest import ManifestBuilder
+from trainsnap.format.regions import Box
+from trainsnap.storage import PosixStorage
+from trainsnap.tools.cli import app
+from trainsnap.tools.export import (
     INDEX_FILE,
     SINGLE_FILE,
     export_safetensors,
     parse_size,
     plan_export,
 )
-from trainsnap.manifest import ManifestBuilder
-from trainsnap.spec import Box
-from trainsnap.storage import PosixStorage
 
 PIECE = 256
 """Bytes per streamed piece in these tests: every tensor but the smallest spans several."""
@@ -164,9 +164,13 @@ def test_export_reads_in_bounded_pieces(tmp_path: Path) -> None:
 
 def test_plan_skips_rank_scoped_tensors(tmp_path: Path) -> None:
     b = ManifestBuilder(
-        snapshot_id="step-000000000001-abcd", created="2024-01-01T00:00:00Z", step=1,
-        level="weights", algorithm="xxh3-128", block_size=1 << 20,
-    )  # fmt: skip
+        snapshot_id="step-000000000001-abcd",
+        created="2024-01-01T00:00:00Z",
+        step=1,
+        level="weights",
+        algorithm="xxh3-128",
+        block_size=1 << 20,
+    )
     b.add_tensor("model.w", -1, "float32", (2,))
     b.add_shard(0, Box((0,), (2,)), [])
     b.add_tensor("model.rng", 0, "uint8", (4,))

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 import trainsnap as ts
+from trainsnap.format import encoding
+from trainsnap.protocol import commit
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -39,7 +41,7 @@ def _load_compressed_golden(root: Path, version: int) -> dict:
     every object codec), check it bitwise and verify the root."""
     (info,) = ts.list_snapshots(root)
     assert info.step == 42 and info.tokens_seen == 1000
-    m = ts.commit.open_snapshot(ts.open_storage(root), info.id)
+    m = commit.open_snapshot(ts.open_storage(root), info.id)
     assert m.format_version == version
     assert {"bg4+zstd", "bg2+zstd", "zstd", "raw"} <= set(m.object_codecs)
     state = {
@@ -70,5 +72,5 @@ def test_format_v3_golden_binary_manifest_loads_bitwise_and_verifies(tmp_path):
     shutil.copytree(GOLDEN / "v3", root)
     got = _load_compressed_golden(root, 3)
     raw = (root / "snapshots" / got["id"] / "manifest.bin").read_bytes()
-    assert raw.startswith(ts.schema.MAGIC)
+    assert raw.startswith(encoding.MAGIC)
     assert got["manifest"].versions["user"] == {"model": "golden-3"}

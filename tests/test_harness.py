@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankResult, assert_all_ok, errors_by_rank, run_ranks
+from trainsnap.testing import RankResult, assert_all_ok, errors_by_rank, run_ranks
 
 # --- rank functions ----------------------------------------------------------------------------
 

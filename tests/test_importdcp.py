@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import trainsnap as ts
-from harness import assert_all_ok, run_ranks
-from trainsnap import commit
-from trainsnap.cli import app
-from trainsnap.export import export_safetensors
-from trainsnap.importdcp import import_dcp
+from trainsnap.protocol import commit
+from trainsnap.testing import assert_all_ok, run_ranks
+from trainsnap.tools.cli import app
+from trainsnap.tools.export import export_safetensors
+from trainsnap.tools.import_dcp import import_dcp
 
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "model.emb": ((11, 6), torch.float32),
@@ -187,7 +187,7 @@ def test_odd_layouts_values_and_skipped_entries(tmp_path: Path, caplog) -> None:
 
 
 def test_reads_only_the_items_not_whole_files(tmp_path: Path, monkeypatch) -> None:
-    import trainsnap.importdcp as imp
+    import trainsnap.tools.import_dcp as imp
 
     state = {"a": torch.randn(200_000), "b": torch.randn(10)}
     with pytest.warns(UserWarning):

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import trainsnap as ts
-from trainsnap import commit, gc
+from trainsnap.manager import collection
+from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
 
 
@@ -36,9 +37,12 @@ def test_lora_snapshots_write_only_what_changed_and_each_stands_alone(tmp_path):
     expected: dict[int, dict[str, torch.Tensor]] = {}
     written: list[tuple[int, int, int]] = []
     with ts.CheckpointManager(
-        tmp_path, interval=ts.Every(steps=2), retention=ts.KeepLast(3), async_save=False,
-        gc_grace=0.0,
-    ) as mgr:  # fmt: skip
+        tmp_path,
+        interval=ts.Every(steps=2),
+        retention=ts.KeepLast(3),
+        async_save=False,
+        options=ts.ManagerOptions(gc_grace=0.0),
+    ) as mgr:
         for step in range(1, 13):
             x = torch.randn(8, 1024)
             model(x).pow(2).mean().backward()
@@ -61,8 +65,8 @@ def test_lora_snapshots_write_only_what_changed_and_each_stands_alone(tmp_path):
     assert [s.step for s in retained] == [8, 10, 12]
     for i, snap in enumerate(retained):
         for older in retained[:i]:
-            gc.delete_snapshot(storage, older.id)
-        gc.collect(storage, grace=None)
+            collection.delete_snapshot(storage, older.id)
+        collection.collect(storage, grace=None)
         m2 = _model()
         dst = {"model": m2.state_dict()}
         ts.load(dst, tmp_path, snapshot=snap.id)
@@ -81,9 +85,12 @@ def test_retained_history_keeps_optimizer_state_at_reduced_precision(tmp_path):
     state = ts.TrainState(model, opt)
     moments: dict[int, torch.Tensor] = {}
     with ts.CheckpointManager(
-        tmp_path, interval=ts.Every(steps=1), retention=[ts.KeepLast(1), ts.KeepEvery(2)],
-        async_save=False, quantize_history=True,
-    ) as mgr:  # fmt: skip
+        tmp_path,
+        interval=ts.Every(steps=1),
+        retention=[ts.KeepLast(1), ts.KeepEvery(2)],
+        async_save=False,
+        options=ts.ManagerOptions(quantize_history=True),
+    ) as mgr:
         for step in range(1, 6):
             model(torch.randn(8, 256)).pow(2).mean().backward()
             opt.step()
@@ -123,7 +130,12 @@ def test_identical_chunks_in_one_save_are_written_once_and_counts_are_stored_byt
     assert "bytes=1048576 written=1048576" in line, line
     files = [p for p in (tmp_path / "a" / "objects").rglob("*") if p.is_file()]
     assert len(files) == 1
-    ts.save({"w": torch.randn(1 << 20)}, tmp_path / "c", step=1, compression="bytegroup+zstd")
+    ts.save(
+        {"w": torch.randn(1 << 20)},
+        tmp_path / "c",
+        step=1,
+        options=ts.SaveOptions(compression="bytegroup+zstd"),
+    )
     line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"][-1]
     referenced = int(line.split("bytes=")[1].split()[0])
     written = int(line.split("written=")[1].split()[0])

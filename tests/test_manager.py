@@ -17,10 +17,12 @@ import torch
 from typer.testing import CliRunner
 
 import trainsnap as ts
-from harness import run_ranks
-from trainsnap import commit, faults, gc, lease
-from trainsnap.cli import app
+from trainsnap import faults
+from trainsnap.manager import collection, lease
+from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
+from trainsnap.testing import run_ranks
+from trainsnap.tools.cli import app
 
 
 def _objects(root: Path) -> set[str]:
@@ -45,7 +47,10 @@ def _train(state: dict, step: int) -> None:
 def test_loop_saves_on_schedule_keeps_what_retention_says_and_collects(tmp_path):
     state = {"w": torch.zeros(256, 256), "step": 0}
     with ts.CheckpointManager(
-        tmp_path, interval=ts.Every(steps=5), retention=ts.KeepLast(2), gc_grace=0.0
+        tmp_path,
+        interval=ts.Every(steps=5),
+        retention=ts.KeepLast(2),
+        options=ts.ManagerOptions(gc_grace=0.0),
     ) as mgr:
         assert mgr.restore(state) is None
         saved = [s for s in range(23) if (_train(state, s), mgr.step(s, state))[1]]
@@ -90,14 +95,12 @@ def test_collection_during_an_async_save_never_deletes_what_it_needs(tmp_path):
     # Make every object look old, then uncommit the snapshot: its objects are garbage now.
     for p in (tmp_path / "objects").rglob("*"):
         os.utime(p, (time.time() - 7200, time.time() - 7200))
-    gc.delete_snapshot(storage, first.id)
+    collection.delete_snapshot(storage, first.id)
     faults.install("before_manifest=delay:1.5")
     saver = ts.AsyncSaver()
-    handle = ts.save(
-        {"w": shared, "v": torch.ones(10)}, storage, step=2, async_save=True, saver=saver
-    )
+    handle = ts.async_save({"w": shared, "v": torch.ones(10)}, storage, step=2, saver=saver)
     time.sleep(0.5)  # the save is past its writes, before its manifest
-    report = gc.collect(storage, grace=600.0)
+    report = collection.collect(storage, grace=600.0)
     info = handle.wait()
     saver.close()
     needed = set(commit.open_snapshot(storage, info.id).object_names)

@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trainsnap as ts
-from trainsnap import manifest as mf
-from trainsnap import marker, schema
-from trainsnap.checksum import Hasher
+from trainsnap.format import encoding, marker
+from trainsnap.format import manifest as mf
+from trainsnap.format.checksums import Hasher
+from trainsnap.protocol import commit
 from trainsnap.storage import PosixStorage
 
 _TEMPLATE: dict[str, Any] = {}
@@ -127,7 +128,7 @@ def _int_array(values: list[int]) -> str:
 def _manifest_doc() -> tuple[dict[str, Any], bytes]:
     """The template's manifest as its header document and its body of tables."""
     t = _template()
-    doc, body = schema.unpack(t["files"][mf.manifest_key(t["id"])])
+    doc, body = encoding.unpack(t["files"][mf.manifest_key(t["id"])])
     return doc, bytes(body)
 
 
@@ -135,7 +136,7 @@ def _pack_hostile(doc: Any, body: bytes) -> bytes:
     """A format-3 container around any JSON a reader might meet (NaN, a non-object, a header
     that leaves the body unaligned), written without trainsnap's writer, which refuses those."""
     header = json.dumps(doc).encode()
-    return schema.MAGIC + struct.pack("<Q", len(header)) + header + body
+    return encoding.MAGIC + struct.pack("<Q", len(header)) + header + body
 
 
 def _column(ref: dict[str, int], body: bytes) -> bytes:
@@ -204,7 +205,7 @@ def test_damaged_manifest_bodies_only_raise_trainsnap_errors(data, reseal):
     for _ in range(data.draw(st.integers(1, 4))):
         damaged[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(body)))
-    raw = schema.pack(doc, bytes(damaged[:cut] if data.draw(st.booleans()) else damaged))
+    raw = encoding.pack(doc, bytes(damaged[:cut] if data.draw(st.booleans()) else damaged))
     with tempfile.TemporaryDirectory() as d:
         root = Path(d) / "root"
         _materialise(root, raw, _reseal(raw, sid) if reseal else None)
@@ -229,36 +230,36 @@ def test_mutated_markers_only_raise_trainsnap_errors(data):
 @given(data=st.binary(max_size=200))
 def test_garbage_bytes_are_corrupt_not_crashes(data):
     with pytest.raises(ts.TrainsnapError):
-        schema.decode(data, snapshot_id="step-000000000001-abcd")
+        encoding.decode(data, snapshot_id="step-000000000001-abcd")
     with pytest.raises(ts.TrainsnapError):
         marker.decode_marker(data, "step-000000000001-abcd")
     with pytest.raises(ts.TrainsnapError):  # a format-3 header that is garbage
-        schema.decode(schema.MAGIC + data, snapshot_id="step-000000000001-abcd")
+        encoding.decode(encoding.MAGIC + data, snapshot_id="step-000000000001-abcd")
 
 
 def test_a_manifest_whose_container_contradicts_its_version_is_corrupt():
     doc, body = _manifest_doc()
     with pytest.raises(ts.CorruptError, match="claims format version 3 but is JSON"):
-        schema.decode(json.dumps(doc).encode())
+        encoding.decode(json.dumps(doc).encode())
     doc["format_version"] = 2
     with pytest.raises(ts.CorruptError, match="claims format version 2 but is binary"):
-        schema.decode(schema.pack(doc, body))
+        encoding.decode(encoding.pack(doc, body))
 
 
 def test_a_table_reference_past_the_body_is_corrupt_and_named():
     doc, body = _manifest_doc()
     doc["shards"]["geo"] = {"offset": len(body) - 8, "length": 64}
     with pytest.raises(ts.CorruptError, match=r"shards\.geo.*run past the end"):
-        schema.decode(schema.pack(doc, body))
+        encoding.decode(encoding.pack(doc, body))
 
 
 def test_an_unknown_format_version_is_incompatible_and_says_upgrade():
     doc, body = _manifest_doc()
     doc["format_version"] = 99
     with pytest.raises(ts.IncompatibleError, match="Upgrade trainsnap"):
-        schema.decode(schema.pack(doc, body))
+        encoding.decode(encoding.pack(doc, body))
     with pytest.raises(ts.IncompatibleError, match="Upgrade trainsnap"):
-        schema.decode(json.dumps(doc).encode())
+        encoding.decode(json.dumps(doc).encode())
 
 
 def _as_json(doc: Any, body: bytes) -> Any:
@@ -278,9 +279,9 @@ def test_a_format_2_manifest_still_reads_as_the_same_manifest(tmp_path):
     raw = json.dumps(v2).encode()
     _materialise(tmp_path, raw, _reseal(raw, sid, version=2), version=2)
     assert (tmp_path / mf.manifest_key(sid, 2)).name == "manifest.json"
-    m = ts.commit.open_snapshot(ts.open_storage(tmp_path), sid)
+    m = commit.open_snapshot(ts.open_storage(tmp_path), sid)
     assert m.format_version == 2
-    assert schema.encode(m) == schema.encode(schema.decode(schema.pack(doc, body)))
+    assert encoding.encode(m) == encoding.encode(encoding.decode(encoding.pack(doc, body)))
     dst = {"w": torch.zeros(20, 30)}
     ts.load(dst, tmp_path, snapshot=sid)
     assert dst["w"].reshape(-1).tolist() == list(range(600))
@@ -289,8 +290,8 @@ def test_a_format_2_manifest_still_reads_as_the_same_manifest(tmp_path):
 def test_a_round_trip_of_the_encoding_is_exact():
     t = _template()
     raw = t["files"][mf.manifest_key(t["id"])]
-    m = schema.decode(raw)
-    assert schema.encode(m) == raw
+    m = encoding.decode(raw)
+    assert encoding.encode(m) == raw
 
 
 def test_crafted_object_names_cannot_leave_the_root(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import trainsnap as ts
-from trainsnap.policy import Candidate, StepInfo, parse_duration, to_delete
+from trainsnap.manager.policies import Candidate, StepInfo, parse_duration, to_delete
 
 
 def test_daly_vectors_from_the_paper():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import trainsnap as ts
-from harness import assert_all_ok, run_ranks
 from tinytrain import TinyLM, elastic_run, single_process_run
+from trainsnap.testing import assert_all_ok, run_ranks
 
 TOTAL, SAVE_EVERY, KILL_AFTER = 40, 4, 21
 
@@ -150,7 +150,7 @@ def test_a_snapshot_without_rng_refuses_strict_and_says_why(tmp_path, caplog):
 def test_a_snapshot_without_data_state_refuses_strict(tmp_path):
     _model, _opt, st = _state()
     ts.save(st, tmp_path, step=1)
-    sampler = ts.data.ElasticSampler(64, global_batch_size=8)
+    sampler = ts.ElasticSampler(64, global_batch_size=8)
     _, _, fresh = _state(dataloader=sampler)
     with pytest.raises(ts.IncompatibleError, match="no data state"):
         ts.load(fresh, tmp_path)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trainsnap as ts
-from trainsnap.codec import _DTYPES
+from trainsnap.format.values import _DTYPES
 
 ALL_DTYPES = sorted(_DTYPES.values(), key=str)
 
@@ -51,9 +51,12 @@ def test_every_dtype_and_shape_round_trips_bitwise(dtype, shape, seed, transpose
     from trainsnap import tunables
 
     tunables.set_for_testing(
-        None if blocks is None else tunables.Tunables(block_size=blocks, chunk_size=256,
-                                                      pack_threshold=128, read_budget=256)
-    )  # fmt: skip
+        None
+        if blocks is None
+        else tunables.Tunables(
+            block_size=blocks, chunk_size=256, pack_threshold=128, read_budget=256
+        )
+    )
     src = random_tensor(shape, dtype, seed)
     if transpose and src.dim() >= 2:
         src = src.transpose(0, 1)  # non-contiguous source
@@ -183,7 +186,7 @@ def test_non_plain_values_need_pickle_opt_in_on_save_and_on_load(tmp_path):
         ts.save({"o": Opaque(1)}, tmp_path, step=1)
     assert ts.list_snapshots(tmp_path) == []
     assert not (tmp_path / "objects").exists() or not any((tmp_path / "objects").rglob("*"))
-    ts.save({"o": Opaque(3)}, tmp_path, step=1, allow_pickle=True)
+    ts.save({"o": Opaque(3)}, tmp_path, step=1, options=ts.SaveOptions(allow_pickle=True))
     dst = {"o": None}
     with pytest.raises(ts.IncompatibleError, match="pickle"):
         ts.load(dst, tmp_path)
@@ -245,7 +248,7 @@ def test_bounce_pool_reuses_buffers_and_stays_within_its_budget():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainsnap.engine import BouncePool
+    from trainsnap.engine.buffers import BouncePool
 
     mib = 1 << 20
     pool = BouncePool(16 * mib)
@@ -273,15 +276,15 @@ def test_bounce_pool_reuses_buffers_and_stays_within_its_budget():
 
 
 def test_replica_digests_are_hashed_in_parallel_batches_in_entry_order(monkeypatch):
-    from trainsnap import saving
-    from trainsnap.checksum import Hasher
+    from trainsnap.format.checksums import Hasher
+    from trainsnap.protocol import rank_save
 
-    monkeypatch.setattr(saving, "_HASH_BATCH", 300)  # many batches on the thread pool
+    monkeypatch.setattr(rank_save, "_HASH_BATCH", 300)  # many batches on the thread pool
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(i % 7 * 13 + 1, generator=g) for i in range(60)}
     state["sharded"] = ts.Sharded(torch.ones(4), global_shape=(4,), offsets=(0,))
     hasher = Hasher()
-    local = saving.describe(state, saving.SaveOptions(step=1), hasher, replica_digests=True)
+    local = rank_save.describe(state, rank_save.SaveRequest(step=1), hasher, replica_digests=True)
     by_key = {e[0]: e[5] for e in local.entries}
     assert by_key.pop("sharded") is None  # declared layouts are not hashed
     for key, digest in by_key.items():

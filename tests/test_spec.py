@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainsnap.spec import (
+from trainsnap.format.regions import (
     Box,
     Flat,
     Piece,

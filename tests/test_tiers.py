@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 import trainsnap as ts
-from harness import assert_all_ok, run_ranks
-from trainsnap import commit
+from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
+from trainsnap.testing import assert_all_ok, run_ranks
 
 
 def _state(step: int) -> dict[str, object]:
@@ -25,9 +25,11 @@ def _blank() -> dict[str, object]:
 
 def _run_two_tiers(local: Path, remote: Path, steps: int) -> ts.CheckpointManager:
     mgr = ts.CheckpointManager(
-        remote, local_root=local, local_interval=ts.Every(steps=1), interval=ts.Every(steps=5),
-        local_retention=ts.KeepLast(3), async_save=False,
-    )  # fmt: skip
+        remote,
+        interval=ts.Every(steps=5),
+        async_save=False,
+        local=ts.LocalTier(root=local, interval=ts.Every(steps=1), retention=ts.KeepLast(3)),
+    )
     for s in range(1, steps + 1):
         mgr.step(s, _state(s))
     return mgr
@@ -45,7 +47,7 @@ def test_local_every_step_remote_every_five(tmp_path):
     mgr.close()
     assert ts.verify(remote).ok and ts.verify(local).ok
     fresh = _blank()
-    with ts.CheckpointManager(remote, local_root=local) as again:
+    with ts.CheckpointManager(remote, local=ts.LocalTier(root=local)) as again:
         info = again.restore(fresh)
     assert info is not None and info.step == 12 and fresh["step"] == 12
 
@@ -55,7 +57,7 @@ def test_losing_the_local_tier_restores_the_newest_durable_snapshot(tmp_path):
     _run_two_tiers(local, remote, 12).close()
     shutil.rmtree(local)  # the node is gone
     fresh = _blank()
-    with ts.CheckpointManager(remote, local_root=local) as again:
+    with ts.CheckpointManager(remote, local=ts.LocalTier(root=local)) as again:
         info = again.restore(fresh)
     assert info is not None and info.step == 10
     assert torch.equal(fresh["w"], _state(10)["w"])
@@ -73,7 +75,7 @@ def test_a_corrupt_newest_local_snapshot_falls_back_to_the_durable_tier(tmp_path
             data[0] ^= 1
             p.write_bytes(bytes(data))
     fresh = _blank()
-    with ts.CheckpointManager(remote, local_root=local) as again:
+    with ts.CheckpointManager(remote, local=ts.LocalTier(root=local)) as again:
         info = again.restore(fresh)
     assert info is not None and info.step == 10 and fresh["step"] == 10
     assert torch.equal(fresh["w"], _state(10)["w"])
@@ -82,9 +84,12 @@ def test_a_corrupt_newest_local_snapshot_falls_back_to_the_durable_tier(tmp_path
 
 def _node_rank(rank: int, world: int, nodes: list[str], remote: str, steps: int) -> int:
     mgr = ts.CheckpointManager(
-        remote, local_root=nodes, node=rank, partner=True, local_interval=ts.Every(steps=1),
-        interval=ts.Every(steps=100), async_save=False, timeout=60,
-    )  # fmt: skip
+        remote,
+        interval=ts.Every(steps=100),
+        async_save=False,
+        local=ts.LocalTier(root=nodes, node=rank, partner=True, interval=ts.Every(steps=1)),
+        options=ts.ManagerOptions(timeout=60),
+    )
     rows = 128 // world
     for s in range(1, steps + 1):
         full = _state(s)["w"]
@@ -103,7 +108,7 @@ def test_partner_copies_survive_the_loss_of_one_node(tmp_path):
     assert_all_ok(run_ranks(_node_rank, 2, args=(nodes, remote, 3), timeout=120))
     assert ts.list_snapshots(remote) == []  # nothing durable yet: only the local tier
     shutil.rmtree(nodes[1])  # node 1 is lost
-    survivor = ts.open_storage(ts.tier.NodeTier([open_storage(n) for n in nodes], 0))
+    survivor = ts.open_storage(ts.tiers.NodeTier([open_storage(n) for n in nodes], 0))
     fresh = _blank()
     info = ts.load(fresh, survivor)
     assert info.step == 3 and torch.equal(fresh["w"], _state(3)["w"])
@@ -111,7 +116,7 @@ def test_partner_copies_survive_the_loss_of_one_node(tmp_path):
     shutil.rmtree(nodes[0])
     assert_all_ok(run_ranks(_no_partner, 2, args=(nodes, remote + "2"), timeout=120))
     shutil.rmtree(nodes[1])
-    lonely = ts.open_storage(ts.tier.NodeTier([open_storage(n) for n in nodes], 0))
+    lonely = ts.open_storage(ts.tiers.NodeTier([open_storage(n) for n in nodes], 0))
     try:
         ts.load(_blank(), lonely)
         lost = False
@@ -122,9 +127,11 @@ def test_partner_copies_survive_the_loss_of_one_node(tmp_path):
 
 def _no_partner(rank: int, world: int, nodes: list[str], remote: str) -> int:
     mgr = ts.CheckpointManager(
-        remote, local_root=nodes, node=rank, partner=False, local_interval=ts.Every(steps=1),
-        async_save=False, timeout=60,
-    )  # fmt: skip
+        remote,
+        async_save=False,
+        local=ts.LocalTier(root=nodes, node=rank, partner=False, interval=ts.Every(steps=1)),
+        options=ts.ManagerOptions(timeout=60),
+    )
     rows = 128 // world
     full = _state(1)["w"]
     assert isinstance(full, torch.Tensor)
@@ -141,15 +148,24 @@ def test_weights_only_saves_between_full_ones_say_their_level(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     st = ts.TrainState(model, opt)
     with ts.CheckpointManager(
-        tmp_path, interval=ts.Every(steps=10), weights_interval=ts.Every(steps=2), async_save=False
+        tmp_path,
+        interval=ts.Every(steps=10),
+        async_save=False,
+        options=ts.ManagerOptions(weights_interval=ts.Every(steps=2)),
     ) as mgr:
         for s in range(1, 13):
             model(torch.randn(4, 16)).sum().backward()
             opt.step()
             mgr.step(s, st)
     levels = {s.step: s.level for s in ts.list_snapshots(tmp_path)}
-    assert levels == {2: "weights", 4: "weights", 6: "weights", 8: "weights", 10: "strict",
-                      12: "weights"}  # fmt: skip
+    assert levels == {
+        2: "weights",
+        4: "weights",
+        6: "weights",
+        8: "weights",
+        10: "strict",
+        12: "weights",
+    }
     m2 = torch.nn.Linear(16, 8)
     o2 = torch.optim.AdamW(m2.parameters())
     with ts.CheckpointManager(tmp_path) as again:
@@ -163,7 +179,7 @@ def test_weights_only_saves_between_full_ones_say_their_level(tmp_path):
 def test_ls_says_which_tiers_hold_each_snapshot(tmp_path):
     from typer.testing import CliRunner
 
-    from trainsnap.cli import app
+    from trainsnap.tools.cli import app
 
     local, remote = tmp_path / "local", tmp_path / "remote"
     _run_two_tiers(local, remote, 11).close()

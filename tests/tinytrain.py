@@ -72,9 +72,12 @@ def single_process_run(
     # The loader draws its shuffling and worker seeds from its own generator, not from the
     # global RNG: creating its iterator after a restore must not move the dropout stream.
     loader = StatefulDataLoader(
-        dataset(), batch_size=8, shuffle=True, num_workers=2,
+        dataset(),
+        batch_size=8,
+        shuffle=True,
+        num_workers=2,
         generator=torch.Generator().manual_seed(1),
-    )  # fmt: skip
+    )
     state = ts.TrainState(model, opt, sched, scaler, loader, extra={"tokens_seen": 0})
     start = 0
     if ts.list_snapshots(root):
@@ -141,9 +144,7 @@ def elastic_run(
     ddp = DDP(model, find_unused_parameters=True) if dist.is_initialized() else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = dataset()
-    sampler = ts.data.ElasticSampler(
-        len(data), global_batch_size=8, seed=5, rank=rank, world_size=world
-    )
+    sampler = ts.ElasticSampler(len(data), global_batch_size=8, seed=5, rank=rank, world_size=world)
     state = ts.TrainState(ddp, opt, dataloader=sampler)
     start = 0
     if ts.list_snapshots(root):

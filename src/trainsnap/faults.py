@@ -109,14 +109,14 @@ def point(name: str, rank: int | None = None) -> None:
             _fire(r)
 
 
-def _fire(r: Rule) -> None:
-    if r.action == "crash":
+def _fire(result: Rule) -> None:
+    if result.action == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the signal is delivered asynchronously
-    elif r.action == "raise":
-        raise InjectedFault(f"injected fault at {r.point}")
-    elif r.action == "hang":
+    elif result.action == "raise":
+        raise InjectedFault(f"injected fault at {result.point}")
+    elif result.action == "hang":
         while True:
             time.sleep(3600)
-    elif r.action == "delay":
-        time.sleep(r.seconds)
+    elif result.action == "delay":
+        time.sleep(result.seconds)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from .errors import InvalidArgumentError
+from trainsnap.errors import InvalidArgumentError
 
 MiB = 1 << 20
 
@@ -86,7 +86,7 @@ def get() -> Tunables:
     return _current
 
 
-def set_for_testing(t: Tunables | None) -> None:
+def set_for_testing(values: Tunables | None) -> None:
     """Replace the process tunables (``None`` re-reads the environment on next use)."""
     global _current
-    _current = t
+    _current = values

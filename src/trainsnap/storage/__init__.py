@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import InvalidArgumentError
-from . import faulty
-from .base import Storage, check_key
-from .posix import PosixStorage
-from .retry import RetryingStorage
+from trainsnap.errors import InvalidArgumentError
+from trainsnap.storage import faulty
+from trainsnap.storage.base import Storage, check_key
+from trainsnap.storage.posix import PosixStorage
+from trainsnap.storage.retry import RetryingStorage
 
 __all__ = [
     "PosixStorage",
@@ -45,7 +45,7 @@ def _posix(url: str, options: dict[str, Any]) -> Storage:
 def _memory(url: str, options: dict[str, Any]) -> Storage:
     import fsspec
 
-    from .fsspec import FsspecStorage
+    from trainsnap.storage.fsspec import FsspecStorage
 
     fs = fsspec.filesystem("memory", **options)
     return FsspecStorage(fs, url, url)
@@ -59,7 +59,7 @@ def _s3(url: str, options: dict[str, Any]) -> Storage:
             f"root {url!r} needs s3fs, which is not installed: pip install 'trainsnap[s3]'",
             path=url,
         ) from e
-    from .fsspec import FsspecStorage
+    from trainsnap.storage.fsspec import FsspecStorage
 
     opts = dict(options)
     endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
@@ -84,7 +84,12 @@ register("memory", _memory)
 register("s3", _s3)
 
 
-def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
+Root = str | os.PathLike[str] | Storage
+"""Where a run keeps its snapshots: a path, a URL (``file://``, ``s3://``, ``memory://``) or a
+storage."""
+
+
+def open_storage(root: Root, **options: Any) -> Storage:
     """The storage for a root given as a path, a URL or an already open :class:`Storage`,
     with bounded retries of transient errors (:class:`RetryingStorage`)."""
     if isinstance(root, Storage) and not isinstance(root, str | os.PathLike):

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from ..errors import InvalidArgumentError
+from trainsnap.errors import InvalidArgumentError
 
 Buffer = bytes | bytearray | memoryview
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .base import Buffer, Storage, as_buffers
+from trainsnap.storage.base import Buffer, Storage, as_buffers
 
 
 @dataclass(slots=True)
@@ -89,27 +89,29 @@ class FaultyStorage:
     def _count(self, what: str) -> None:
         self.injected[what] = self.injected.get(what, 0) + 1
 
-    def _chance(self, p: float) -> bool:
+    def _chance(self, pending: float) -> bool:
         with self._lock:
-            return p > 0 and self._rng.random() < p
+            return pending > 0 and self._rng.random() < pending
 
-    def _before(self, op: str) -> None:
+    def _before(self, operation: str) -> None:
         with self._lock:
             self._ops += 1
             gone = self.plan.vanish >= 0 and self._ops > self.plan.vanish
         if gone:
             self._count("vanish")
-            raise FileNotFoundError(errno.ENOENT, f"root {self.url} is gone ({op})")
+            raise FileNotFoundError(errno.ENOENT, f"root {self.url} is gone ({operation})")
         if self.plan.latency > 0:
             if not self.injected.get("latency"):
                 self._count("latency")  # one fault (a slow root), however many operations
             time.sleep(self.plan.latency)
         if self._chance(self.plan.timeout):
             self._count("timeout")
-            raise TimeoutError(f"injected timeout on {op}")
+            raise TimeoutError(f"injected timeout on {operation}")
         if self._chance(self.plan.transient):
             self._count("transient")
-            raise ConnectionResetError(errno.ECONNRESET, f"injected connection reset on {op}")
+            raise ConnectionResetError(
+                errno.ECONNRESET, f"injected connection reset on {operation}"
+            )
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         self._before(f"put {key}")

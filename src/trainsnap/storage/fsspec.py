@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
+from trainsnap.storage.base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
 
 REFRESH_AFTER = 300.0
 """Seconds after which a reused object is rewritten to refresh its modification time."""

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from stat import S_ISDIR
 
-from .. import faults
-from .base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
+from trainsnap import faults
+from trainsnap.storage.base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
 
 _HAS_PREADV = hasattr(os, "preadv")
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -45,22 +45,22 @@ class PosixStorage:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def _ensure_dir(self, d: Path) -> None:
-        if d in self._durable_dirs:
+    def _ensure_dir(self, data: Path) -> None:
+        if data in self._durable_dirs:
             return
         missing = []
-        p = d
+        p = data
         while not p.exists():
             missing.append(p)
             p = p.parent
-        d.mkdir(parents=True, exist_ok=True)
+        data.mkdir(parents=True, exist_ok=True)
         if self.fsync:
             # A new directory's entry lives in its parent: sync the parents so a crash cannot
             # forget the directory an object was renamed into.
             for m in missing:
                 _fsync_dir(m.parent)
         with self._lock:
-            self._durable_dirs.add(d)
+            self._durable_dirs.add(data)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         dest = self._path(key)
@@ -215,13 +215,13 @@ class PosixStorage:
             parent = parent.parent
 
 
-def _split_at(bufs: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+def _split_at(bufs: list[memoryview], count: int) -> tuple[list[memoryview], list[memoryview]]:
     first: list[memoryview] = []
     for i, b in enumerate(bufs):
-        if n <= len(b):
-            return [*first, b[:n]], [b[n:], *bufs[i + 1 :]]
+        if count <= len(b):
+            return [*first, b[:count]], [b[count:], *bufs[i + 1 :]]
         first.append(b)
-        n -= len(b)
+        count -= len(b)
     return first, []
 
 
@@ -233,9 +233,9 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             view = view[n:]
 
 
-def _fsync_dir(d: Path) -> None:
+def _fsync_dir(data: Path) -> None:
     try:
-        fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(data, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
     try:
@@ -246,6 +246,6 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _unlink_quiet(p: Path) -> None:
+def _unlink_quiet(pending: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(p)
+        os.unlink(pending)

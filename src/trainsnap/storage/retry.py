@@ -18,27 +18,34 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from .base import Buffer, ShortReadError, Storage
+from trainsnap.storage.base import Buffer, ShortReadError, Storage
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _TRANSIENT_ERRNOS = {
-    errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
-    errno.ECONNREFUSED, errno.EPIPE, errno.EBUSY, errno.EIO,
-}  # fmt: skip
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.EPIPE,
+    errno.EBUSY,
+    errno.EIO,
+}
 
 
-def is_transient(e: BaseException) -> bool:
-    if isinstance(e, FileNotFoundError | FileExistsError | PermissionError | ShortReadError):
+def is_transient(error: BaseException) -> bool:
+    if isinstance(error, FileNotFoundError | FileExistsError | PermissionError | ShortReadError):
         return False
-    if isinstance(e, TimeoutError | ConnectionError):
+    if isinstance(error, TimeoutError | ConnectionError):
         return True
-    if isinstance(e, OSError):
-        if e.errno in _TRANSIENT_ERRNOS:
+    if isinstance(error, OSError):
+        if error.errno in _TRANSIENT_ERRNOS:
             return True
-        text = str(e).lower()
+        text = str(error).lower()
         return any(w in text for w in ("timeout", "timed out", "throttl", "slow down", "503"))
     return False
 

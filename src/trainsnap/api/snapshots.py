@@ -1,0 +1,133 @@
+"""The public entry points: save, async_save, load and list_snapshots.
+
+The machinery behind them is in :mod:`trainsnap.protocol` (the cross-rank save and load
+protocols) and :mod:`trainsnap.api.async_saver` (saves in the background).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
+from trainsnap.api.options import SaveOptions
+from trainsnap.errors import InvalidArgumentError, TrainsnapError
+from trainsnap.format.manifest import LEVELS
+from trainsnap.protocol import commit
+from trainsnap.protocol.control_plane import comm_for
+from trainsnap.protocol.load_protocol import run_load
+from trainsnap.protocol.save_protocol import run_save
+from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.storage import Root, open_storage
+
+log = logging.getLogger("trainsnap.load")
+
+
+def save(
+    state: Any,
+    root: Root,
+    *,
+    step: int,
+    options: SaveOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    coordinator: int = 0,
+    timeout: float | None = None,
+) -> SnapshotInfo:
+    """Save ``state`` (a mapping of tensors, plain data and stateful objects, or a
+    :class:`~trainsnap.TrainState`) as a new snapshot of ``root`` at ``step``, and commit it.
+    Returns the committed snapshot.
+
+    With an initialised ``torch.distributed`` process group every rank calls ``save`` with its
+    own part of the state (``DTensor``, ``ts.Sharded``, plain tensors); ``coordinator`` plans and
+    commits, and ``timeout`` (seconds) bounds how long ranks wait for each other. ``options``
+    (:class:`SaveOptions`) says what else the snapshot records (versions, counters, metadata)
+    and how it stores tensor data (compression, chunk size, pickle for non-plain values).
+    """
+    storage = open_storage(root, **dict(storage_options or {}))
+    tree, request = (options or SaveOptions()).request(state, step)
+    result = run_save(tree, storage, request, comm_for(coordinator, timeout))
+    return result.info(storage.url)
+
+
+def async_save(
+    state: Any,
+    root: Root,
+    *,
+    step: int,
+    options: SaveOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    coordinator: int = 0,
+    timeout: float | None = None,
+    saver: AsyncSaver | None = None,
+) -> SaveHandle:
+    """Like :func:`save`, but return once the state is staged (copied into reused host
+    buffers): training may change the state right away. Writing and the commit continue in the
+    background; the :class:`SaveHandle` gives the snapshot (``wait()``), tells whether it is
+    finished (``done()``) and runs callbacks when it is (``add_done_callback(fn)``).
+
+    At most one save per ``saver`` (default: the process's) is in flight: a new one waits for
+    the previous one, and a background failure is raised by the next save or wait.
+    """
+    storage = open_storage(root, **dict(storage_options or {}))
+    tree, request = (options or SaveOptions()).request(state, step)
+    handle = (saver or default_saver()).save(tree, storage, request, comm_for(coordinator, timeout))
+    if handle is None:  # only a saver built with skip_if_busy skips
+        raise TrainsnapError(
+            f"the save of step {step} was skipped: its saver is busy and was built with "
+            "skip_if_busy=True; use a saver without it to wait instead"
+        )
+    return handle
+
+
+def load(
+    state: Any,
+    root: Root,
+    *,
+    snapshot: str = "latest",
+    level: str = "strict",
+    allow_downgrade: bool = False,
+    allow_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    coordinator: int = 0,
+    timeout: float | None = None,
+) -> SnapshotInfo:
+    """Fill ``state`` in place from a committed snapshot of ``root`` (``"latest"`` or an id).
+
+    Exactly the keys ``state`` holds are filled: tensors in place, plain values into their
+    containers; a key the snapshot lacks is an error, keys it does not ask for are ignored.
+    ``level`` is the resume level required; a snapshot that cannot give it is refused unless
+    ``allow_downgrade``, and the returned info's ``level`` is the level reached.
+    """
+    if level not in LEVELS:
+        raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
+    started = time.perf_counter()
+    storage = open_storage(root, **dict(storage_options or {}))
+    manifest, reached, nread = run_load(
+        state,
+        storage,
+        snapshot,
+        comm_for(coordinator, timeout),
+        level=level,
+        allow_downgrade=allow_downgrade,
+        allow_pickle=allow_pickle,
+    )
+    seconds = time.perf_counter() - started
+    log.info(
+        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",
+        manifest.snapshot_id,
+        manifest.step,
+        reached,
+        nread,
+        seconds,
+        nread / max(seconds, 1e-9) / 1e6,
+        storage.url,
+    )
+    return SnapshotInfo.from_manifest(manifest, storage.url, level=reached)
+
+
+def list_snapshots(root: Root, **storage_options: Any) -> list[SnapshotInfo]:
+    """Committed snapshots of ``root``, oldest step first."""
+    storage = open_storage(root, **storage_options)
+    return [SnapshotInfo.from_marker(c.marker, storage.url) for c in commit.list_committed(storage)]

@@ -1,0 +1,126 @@
+"""Host buffers: the bytes of a tensor without a copy, contiguous gathers, and the bounce
+buffers of a load (mappings reused within a byte budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (writable if the tensor is)."""
+    assert tensor.device.type == "cpu" and tensor.is_contiguous(), "caller stages first"
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def gather(parts: list[memoryview], size: int) -> memoryview:
+    """One contiguous buffer holding ``parts`` back to back (a single part is not copied)."""
+    if len(parts) == 1:
+        return parts[0]
+    buf = bytearray(size)
+    pos = 0
+    for p in parts:
+        buf[pos : pos + len(p)] = p
+        pos += len(p)
+    assert pos == size
+    return memoryview(buf)
+
+
+def _map(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping for bounce buffers (huge pages asked for where the kernel
+    offers them: fewer page faults the first time it is filled).
+
+    Mappings, not heap memory: freed heap chunks stay in per-thread malloc arenas, so a load
+    that cycled buffers through eight I/O threads would hold several times its budget in
+    resident memory; an unmapped region goes back to the operating system."""
+    try:  # private: pages come straight from the allocator, not from shared memory
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, TypeError):  # platforms without these flags
+        region = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_HUGEPAGE)
+    return region
+
+
+_POOL_ROUND = 2 << 20
+"""Pool mappings are sized in multiples of this (a huge page), so that pieces of nearly the same
+size share them."""
+
+
+class BouncePool:
+    """The bounce buffers of one load, within a byte budget, reused from piece to piece.
+
+    At most ``limit`` bytes of buffers are handed out at once (a buffer larger than the limit is
+    counted as the limit: it runs alone), and the mappings kept for reuse never hold more than
+    ``limit`` bytes beyond the one being mapped. Reuse matters: filling a fresh mapping costs a
+    page fault per page, several times the copy itself. :meth:`close` unmaps everything.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.mapped = 0
+        self.maps = 0
+        """Mappings made (for tests and tuning: reuse keeps this low)."""
+        self._free: list[mmap.mmap] = []
+        self._cv = threading.Condition()
+
+    @contextmanager
+    def buffer(self, nbytes: int) -> Iterator[memoryview]:
+        """A buffer of ``nbytes`` (waits while the budget is in use)."""
+        if nbytes < (1 << 20):
+            yield memoryview(bytearray(nbytes))
+            return
+        n = min(nbytes, self.limit)
+        with self._cv:
+            self._cv.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            region = self._take(nbytes)
+        base = memoryview(region)
+        view = base[:nbytes]
+        try:
+            yield view
+        finally:
+            view.release()
+            base.release()
+            with self._cv:
+                self._free.append(region)
+                self.used -= n
+                self._cv.notify_all()
+
+    def _take(self, nbytes: int) -> mmap.mmap:
+        fits = [r for r in self._free if len(r) >= nbytes]
+        if fits:
+            region = min(fits, key=len)
+            self._free.remove(region)
+            return region
+        size = -(-nbytes // _POOL_ROUND) * _POOL_ROUND
+        self._free.sort(key=len)
+        while self._free and self.mapped + size > self.limit:
+            old = self._free.pop()  # the largest that does not fit
+            self.mapped -= len(old)
+            old.close()
+        self.mapped += size
+        self.maps += 1
+        return _map(size)
+
+    def close(self) -> None:
+        with self._cv:
+            for region in self._free:
+                self.mapped -= len(region)
+                region.close()
+            self._free.clear()

@@ -1,0 +1,188 @@
+"""Verified ranged reads: every block a reader touches is verified against its digest before
+the caller can use the bytes; a reader fetches whole blocks, so a range costs at most one block
+of extra bytes at each end.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from trainsnap import faults
+from trainsnap.engine.buffers import BouncePool
+from trainsnap.errors import CorruptError
+from trainsnap.format import compression
+from trainsnap.format.manifest import Manifest, object_key
+from trainsnap.storage.base import ShortReadError, Storage
+
+
+class Reader:
+    """Verified reads of a committed snapshot's payloads (shard bytes, value bytes)."""
+
+    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+        self.storage = storage
+        self.m = manifest
+        self.hasher = manifest.hasher
+        self._scratch = threading.local()
+        self._chunk_pos: dict[int, list[int]] = {}
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def _block(self) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None:
+            buf = self._scratch.buf = memoryview(bytearray(self.m.block_size))
+        return buf
+
+    def _fail(self, obj: int, what: str, key: str) -> CorruptError:
+        name = self.m.object_names[obj]
+        return CorruptError(
+            f"snapshot {self.m.snapshot_id}: object {name} ({what}) while reading {key!r}. The "
+            "snapshot is damaged; restore an older one (CheckpointManager.restore falls back "
+            "automatically) and run `trainsnap verify` on the root.",
+            snapshot_id=self.m.snapshot_id,
+            key=key,
+            path=object_key(name),
+        )
+
+    def _get(self, obj: int, start: int, out: memoryview, key: str) -> None:
+        faults.point("load_read")
+        try:
+            self.storage.read_into(object_key(self.m.object_names[obj]), start, out)
+        except FileNotFoundError as e:
+            raise self._fail(obj, "is missing", key) from e
+        except ShortReadError as e:
+            raise self._fail(obj, "is truncated", key) from e
+        with self._lock:
+            self.bytes_read += len(out)
+
+    def _check(self, obj: int, first_block: int, data: memoryview, key: str) -> None:
+        d = self.hasher.digest_size
+        bs = self.m.block_size
+        expected = self.m.object_blocks(obj)
+        for i in range(0, len(data), bs):
+            b = first_block + i // bs
+            if self.hasher.digest(data[i : i + bs]) != expected[b * d : (b + 1) * d]:
+                raise self._fail(obj, f"block {b} fails its checksum", key)
+
+    def _read_compressed(self, obj: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        """Read the frames of the blocks covering [start, stop) once, verify each frame as
+        stored and each block as decoded, and copy the range out."""
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[obj])
+        b0, b1 = start // bs, (stop - 1) // bs
+        frames = self.m.object_frames(obj)
+        offsets = np.concatenate([[0], np.cumsum(frames)])
+        lo, hi = int(offsets[b0]), int(offsets[b1 + 1])
+        stored = memoryview(bytearray(hi - lo))
+        self._get(obj, lo, stored, key)
+        d = self.hasher.digest_size
+        digests, raw_digests = self.m.object_blocks(obj), self.m.object_raw_blocks(obj)
+        codec = self.m.object_codecs[obj]
+        for b in range(b0, b1 + 1):
+            frame = stored[int(offsets[b]) - lo : int(offsets[b + 1]) - lo]
+            if self.hasher.digest(frame) != digests[b * d : (b + 1) * d]:
+                raise self._fail(obj, f"frame {b} fails its checksum", key)
+            n = min(bs, size - b * bs)
+            try:
+                block = compression.decompress_block(frame, codec, n)
+            except ValueError as e:
+                raise self._fail(obj, f"frame {b} does not decode ({e})", key) from e
+            if self.hasher.digest(block) != raw_digests[b * d : (b + 1) * d]:
+                raise self._fail(obj, f"block {b} fails its checksum once decoded", key)
+            a, z = max(start, b * bs), min(stop, b * bs + n)
+            out[a - start : z - start] = block[a - b * bs : z - b * bs]
+
+    def _scatter_compressed(
+        self, obj: int, segments: list[tuple[int, int, memoryview]], key: str
+    ) -> None:
+        """Decode the blocks covering all segments once, then copy each segment out."""
+        lo = min(a for a, _, _ in segments)
+        hi = max(z for _, z, _ in segments)
+        decoded = memoryview(bytearray(hi - lo))
+        self._read_compressed(obj, lo, hi, decoded, key)
+        for a, z, out in segments:
+            out[:] = decoded[a - lo : z - lo]
+
+    def read_object(self, obj: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        """Fill ``out`` with bytes ``[start, stop)`` of object ``o``, every block verified.
+
+        Whole blocks inside the range are read straight into ``out``; a block cut by either
+        end of the range is read into a per-thread scratch block, verified, and copied.
+        """
+        assert len(out) == stop - start
+        if self.m.compressed(obj):
+            self._read_compressed(obj, start, stop, out, key)
+            return
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[obj])
+        pos = start
+        while pos < stop:
+            b = pos // bs
+            b_lo, b_hi = b * bs, min((b + 1) * bs, size)
+            if pos == b_lo and stop >= b_hi:
+                # A run of whole blocks: read directly, verify in place.
+                n_whole = (stop - b_lo) // bs
+                run_hi = min(b_lo + n_whole * bs, size) if n_whole else b_hi
+                if stop == size:
+                    run_hi = size
+                dst = out[pos - start : run_hi - start]
+                self._get(obj, pos, dst, key)
+                self._check(obj, b, dst, key)
+                pos = run_hi
+                continue
+            scratch = self._block()[: b_hi - b_lo]
+            self._get(obj, b_lo, scratch, key)
+            self._check(obj, b, scratch, key)
+            hi = min(stop, b_hi)
+            out[pos - start : hi - start] = scratch[pos - b_lo : hi - b_lo]
+            pos = hi
+
+    def read_scatter(
+        self,
+        obj: int,
+        segments: list[tuple[int, int, memoryview]],
+        key: str,
+        pool: BouncePool,
+    ) -> None:
+        """Read the blocks covering several small ranges of object ``o`` once, verify each block
+        once, and copy each range ``(start, stop, out)`` to its ``out``. Packed small tensors
+        share blocks: this is what keeps a load from hashing one block per tensor."""
+        if self.m.compressed(obj):
+            self._scatter_compressed(obj, segments, key)
+            return
+        bs = self.m.block_size
+        size = int(self.m.object_sizes[obj])
+        lo = min(s for s, _, _ in segments) // bs * bs
+        hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
+        with pool.buffer(hi - lo) as buf:
+            self._get(obj, lo, buf, key)
+            self._check(obj, lo // bs, buf, key)
+            for start, stop, out in segments:
+                out[:] = buf[start - lo : stop - lo]
+
+    def payload_runs(self, owner: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Where bytes ``[start, stop)`` of a payload (shard or value row) live:
+        (object, object offset, payload offset, length) per chunk touched."""
+        rows = self.m.chunks_of(owner)
+        pos = self._chunk_pos.get(owner)
+        if pos is None:
+            pos = [0]
+            for c in rows:
+                pos.append(pos[-1] + int(self.m.chunk_length[c]))
+            self._chunk_pos[owner] = pos
+        out = []
+        for j, c in enumerate(rows):
+            lo, hi = max(start, pos[j]), min(stop, pos[j + 1])
+            if lo < hi:
+                oo = int(self.m.chunk_offset[c]) + lo - pos[j]
+                out.append((int(self.m.chunk_object[c]), oo, lo, hi - lo))
+        return out
+
+    def read_payload(self, owner: int, start: int, stop: int, out: memoryview, key: str) -> None:
+        for o, oo, po, n in self.payload_runs(owner, start, stop):
+            self.read_object(o, oo, oo + n, out[po - start : po - start + n], key)
+
+    def payload_size(self, owner: int) -> int:
+        return sum(int(self.m.chunk_length[c]) for c in self.m.chunks_of(owner))

@@ -1,0 +1,148 @@
+"""The commit marker: the small document whose existence commits a snapshot.
+
+Pure: no I/O. It records the manifest's size and checksum (so a reader can tell the manifest it
+finds is the one committed) and repeats a few manifest fields for cheap listing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainsnap.errors import CorruptError, IncompatibleError, TrainsnapError
+from trainsnap.format.checksums import Hasher
+from trainsnap.format.encoding import as_dict
+from trainsnap.format.manifest import (
+    FORMAT_VERSION,
+    LEVELS,
+    MARKER_FORMAT,
+    READABLE_VERSIONS,
+    Manifest,
+    check_snapshot_id,
+    id_step,
+    manifest_key,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    snapshot_id: str
+    manifest_size: int
+    manifest_digest: str
+    algorithm: str
+    summary: Mapping[str, Any]
+    writer: Mapping[str, Any]
+    format_version: int = FORMAT_VERSION
+    """The snapshot's format version: it names the manifest's key."""
+
+    @property
+    def manifest_key(self) -> str:
+        return manifest_key(self.snapshot_id, self.format_version)
+
+
+def encode_marker(manifest: Manifest, manifest_bytes: bytes, writer: Mapping[str, Any]) -> bytes:
+    doc = {
+        "format": MARKER_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "snapshot_id": manifest.snapshot_id,
+        "manifest": {
+            "size": len(manifest_bytes),
+            "algorithm": manifest.algorithm,
+            "digest": manifest.hasher.digest(manifest_bytes).hex(),
+        },
+        "summary": manifest.summary(),
+        "writer": dict(writer),
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_marker(data: bytes, snapshot_id: str) -> Marker:
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT:
+            raise ValueError("not a trainsnap marker")
+        if doc.get("format_version") not in READABLE_VERSIONS:
+            raise IncompatibleError(
+                f"snapshot {snapshot_id} has marker format version "
+                f"{doc.get('format_version')!r}; this trainsnap reads {list(READABLE_VERSIONS)}. "
+                "Upgrade trainsnap.",
+                snapshot_id=snapshot_id,
+            )
+        man = as_dict(doc["manifest"], "manifest")
+        size = man["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError("manifest.size: expected a non-negative integer")
+        digest, algorithm = man["digest"], man["algorithm"]
+        if not isinstance(digest, str) or not isinstance(algorithm, str):
+            raise ValueError("manifest.digest and manifest.algorithm must be strings")
+        Hasher(algorithm)
+        summary = _check_summary(as_dict(doc["summary"], "summary"), snapshot_id)
+        marker = Marker(
+            snapshot_id=check_snapshot_id(doc["snapshot_id"]),
+            manifest_size=size,
+            manifest_digest=digest,
+            algorithm=algorithm,
+            summary=summary,
+            writer=as_dict(doc.get("writer", {}), "writer"),
+            format_version=doc["format_version"],
+        )
+    except TrainsnapError:
+        raise
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptError(
+            f"commit marker of snapshot {snapshot_id} is malformed: {e}", snapshot_id=snapshot_id
+        ) from e
+    if marker.snapshot_id != snapshot_id:
+        raise CorruptError(
+            f"commit marker under snapshot {snapshot_id} names {marker.snapshot_id!r}",
+            snapshot_id=snapshot_id,
+        )
+    return marker
+
+
+def _check_summary(shard: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
+    """The marker repeats a few manifest fields for cheap listing; they must be well typed and
+    agree with the id (a verifier also checks them against the manifest)."""
+    step, nbytes, tokens = shard.get("step"), shard.get("nbytes"), shard.get("tokens_seen")
+    for name, v in (("step", step), ("nbytes", nbytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"summary.{name}: expected a non-negative integer, got {v!r}")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+        raise ValueError(f"summary.tokens_seen: expected an integer or null, got {tokens!r}")
+    if not isinstance(shard.get("created"), str):
+        raise ValueError("summary.created: expected a string")
+    if shard.get("level") not in LEVELS:
+        raise ValueError(f"summary.level: expected one of {LEVELS}, got {shard.get('level')!r}")
+    metrics = shard.get("metrics", {})
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        for k, v in metrics.items()
+    ):
+        raise ValueError("summary.metrics: expected an object of numbers")
+    tags = shard.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ValueError("summary.tags: expected a list of strings")
+    if step != id_step(snapshot_id):
+        raise ValueError(f"summary.step {step} disagrees with the snapshot id {snapshot_id}")
+    return shard
+
+
+def check_manifest_bytes(marker: Marker, data: bytes) -> None:
+    """Raise :class:`CorruptError` unless ``data`` is the manifest the marker committed."""
+    if len(data) != marker.manifest_size:
+        raise CorruptError(
+            f"manifest of snapshot {marker.snapshot_id} is {len(data)} bytes, the commit marker "
+            f"recorded {marker.manifest_size}: it was changed or truncated after commit",
+            snapshot_id=marker.snapshot_id,
+            path=marker.manifest_key,
+        )
+    digest = Hasher(marker.algorithm).digest(data).hex()
+    if digest != marker.manifest_digest:
+        raise CorruptError(
+            f"manifest of snapshot {marker.snapshot_id} does not match the checksum its commit "
+            "marker recorded: it was changed after commit",
+            snapshot_id=marker.snapshot_id,
+            path=marker.manifest_key,
+        )

@@ -1,0 +1,4 @@
+"""One-line integrations with the training stacks people use (each an optional extra).
+
+Imports :mod:`trainsnap.manager` and below.
+"""

@@ -1,0 +1,567 @@
+"""The CheckpointManager: when to save, what to keep, how to come back.
+
+Every rank creates the manager and calls it at the same points of the loop. Decisions are taken
+once and shared, so ranks never disagree about whether a step saves:
+
+* policies that every rank evaluates alike (``Every(steps=N)``) are evaluated locally;
+* decisions that depend on a clock, a measurement or a signal (``Every(seconds=T)``,
+  ``YoungDaly``, a predicate, SIGTERM/SIGUSR1 on any rank) are taken at step ``s`` by the rank
+  that sees them and published on the control plane for step ``s + 1``. Every rank checks for
+  the current step's decision at each ``step()``; since ranks of a training job are kept within
+  one step of each other by the training's own collectives, a decision for ``s + 1`` published
+  during step ``s`` is seen by every rank at step ``s + 1``.
+
+After each committed save the coordinator applies the retention policies (the newest snapshot
+and saves in flight are never deleted; deleting removes the marker first) and collects objects
+no snapshot references, with a grace period for saves in flight.
+
+Tiers: with ``local_root``, frequent snapshots (``local_interval``) go to a fast local tier and
+durable ones (``interval``, preemption) are saved there too and then promoted to ``root`` in the
+background (objects, manifest, marker). Restore takes the newest snapshot that loads, whichever
+tier holds it, and falls back snapshot by snapshot and tier by tier. Only snapshots on ``root``
+count as durable (:attr:`CheckpointManager.durable_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainsnap.api.async_saver import AsyncSaver, SaveHandle
+from trainsnap.api.options import SaveOptions
+from trainsnap.api.snapshots import load
+from trainsnap.errors import (
+    CommitFailedError,
+    CorruptError,
+    IncompleteError,
+    InvalidArgumentError,
+    TrainsnapError,
+)
+from trainsnap.format.manifest import Manifest, level_rank
+from trainsnap.manager import collection, lease
+from trainsnap.manager.options import LocalTier, ManagerOptions
+from trainsnap.manager.policies import (
+    Candidate,
+    Retention,
+    StepInfo,
+    as_retention,
+    as_save_policies,
+    to_delete,
+)
+from trainsnap.manager.quantize import quantize_history
+from trainsnap.manager.tiers import NodeTier, promote
+from trainsnap.protocol import commit
+from trainsnap.protocol.control_plane import Comm, StoreComm, comm_for
+from trainsnap.protocol.save_protocol import run_save
+from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.state.train_state import TrainState
+from trainsnap.storage import Root, Storage, open_storage
+
+log = logging.getLogger("trainsnap.manager")
+
+_manager_seq = itertools.count(1)
+
+
+class CheckpointManager:
+    """Saves on a schedule, keeps what the retention policies say, restores the newest good
+    snapshot, and saves on preemption.
+
+    Args:
+        root: where the run's snapshots live (path or URL).
+        interval: when to save: ``ts.Every(steps=N)``, ``ts.Every(seconds=T)``,
+            ``ts.YoungDaly(mtbf=...)``, a predicate ``f(StepInfo) -> bool``, or a list (any).
+        retention: what to keep: ``ts.KeepLast(n)``, ``ts.KeepEvery(steps)``,
+            ``ts.KeepBest(metric, mode, n)``, or a list (kept if any keeps it). None keeps all.
+            Snapshots saved with ``tags`` are always kept.
+        async_save: return from a save once the state is staged (the default).
+        local: a fast local tier in front of ``root`` (:class:`~trainsnap.LocalTier`).
+        save_options: what every save records and how it stores tensor data
+            (:class:`~trainsnap.SaveOptions`: compression, chunk size...).
+        options: how saves run (:class:`~trainsnap.ManagerOptions`: saves in flight, staging
+            budget, collection grace, preemption signals, weights-only saves, coordinator...).
+        storage_options: passed to the storage backends of ``root`` and the local tier.
+    """
+
+    def __init__(
+        self,
+        root: Root,
+        *,
+        interval: Any = None,
+        retention: Any = None,
+        async_save: bool = True,
+        local: LocalTier | None = None,
+        save_options: SaveOptions | None = None,
+        options: ManagerOptions | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.options = options = options or ManagerOptions()
+        self.save_options = save_options or SaveOptions()
+        self.storage = open_storage(root, **dict(storage_options or {}))
+        self.policies = as_save_policies(interval)
+        self.local_policies = as_save_policies(local.interval if local else None)
+        self.weights_policies = as_save_policies(options.weights_interval)
+        self.retention = as_retention(retention)
+        self.durable = _Tier("durable", self.storage, self.retention)
+        self.local: _Tier | None = None
+        if local is not None:
+            local_storage = _open_local(local.root, local.node, local.partner, storage_options)
+            self.local = _Tier("local", local_storage, as_retention(local.retention))
+        self.async_save = async_save
+        self.comm: Comm = comm_for(options.coordinator, options.timeout)
+        self.saver = AsyncSaver(
+            max_in_flight=options.max_in_flight,
+            skip_if_busy=options.skip_if_busy,
+            staging_budget=options.staging_budget,
+        )
+        self._decisions = _Decisions(self.comm, next(_manager_seq))
+        self._preempt_flag = threading.Event()
+        self.preempted = False
+        self._closed = False
+        self._last_save_step: int | None = None
+        self._last_save_time: float | None = None
+        self._last_step_time: float | None = None
+        self._save_costs: deque[float] = deque(maxlen=20)
+        self._step_times: deque[float] = deque(maxlen=200)
+        self._handles: list[SaveHandle] = []
+        self.last_save_bytes: tuple[int, int] | None = None
+        """(bytes referenced, bytes written) of the newest save committed by this manager."""
+        self.observed_mtbf: float | None = None
+        if self.comm.is_coordinator:
+            self._start()
+        self._previous_handlers = self._install_signals(options.preemption_signals)
+
+    # -- start, restore -------------------------------------------------------------------
+
+    def _start(self) -> None:
+        for tier in self._tiers():
+            tier.start()
+        gen = self.generation
+        assert gen is not None
+        evs = lease.events(self.storage)
+        crashed = lease.last_generation_crashed(evs, gen)
+        if crashed is not None:
+            lease.record(
+                self.storage,
+                gen,
+                "crash_detected",
+                previous_generation=crashed["generation"],
+                last_event=crashed["kind"],
+                last_time=crashed["time"],
+            )
+            log.warning(
+                "the previous job on %s (generation %s) ended without closing: crash after its "
+                "%r event",
+                self.storage.url,
+                crashed["generation"],
+                crashed["kind"],
+            )
+        lease.record(self.storage, gen, "start")
+        self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
+
+    def _tiers(self) -> list[_Tier]:
+        return [self.durable] if self.local is None else [self.local, self.durable]
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        if self.comm.is_coordinator and self.generation is not None:
+            lease.record(self.storage, self.generation, kind, **fields)
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step committed on the durable root (``root``); a snapshot only on the
+        local tier does not protect against losing the node."""
+        found = commit.list_committed(self.storage)
+        return found[-1].step if found else None
+
+    def tiers(self) -> dict[str, list[str]]:
+        """Which tiers hold each committed snapshot, by id."""
+        out: dict[str, list[str]] = {}
+        for tier in self._tiers():
+            for c in commit.list_committed(tier.storage):
+                out.setdefault(c.snapshot_id, []).append(tier.name)
+        return out
+
+    @property
+    def generation(self) -> int | None:
+        """The durable root's writer generation held by this job (coordinator only)."""
+        return self.durable.lease.generation if self.durable.lease else None
+
+    def restore(
+        self, state: Any, level: str = "strict", *, allow_downgrade: bool = False
+    ) -> SnapshotInfo | None:
+        """Restore the newest committed snapshot that loads, whichever tier holds it; fall back
+        to older ones (and from the local tier to the durable one) when it is damaged, saying
+        why. Snapshots that cannot give ``level`` (a weights-only save) are passed over unless
+        ``allow_downgrade``. None when no tier holds any."""
+        candidates = self._candidates(state, level, allow_downgrade)
+        for sid, tier_names in candidates:
+            for name in tier_names:
+                tier = self.local if name == "local" and self.local else self.durable
+                try:
+                    info = load(
+                        state,
+                        tier.storage,
+                        snapshot=sid,
+                        level=level,
+                        allow_downgrade=allow_downgrade,
+                        coordinator=self.options.coordinator,
+                        timeout=self.options.timeout,
+                    )
+                except TrainsnapError as e:
+                    if not self._agree_fallback(e):
+                        raise
+                    log.warning(
+                        "snapshot %s on the %s tier cannot be restored, trying the next: %s",
+                        sid,
+                        name,
+                        e,
+                    )
+                    self._record("restore_failed", snapshot=sid, tier=name, error=str(e)[:500])
+                    continue
+                self._last_save_step, self._last_save_time = info.step, time.monotonic()
+                self._record(
+                    "restore", snapshot=info.id, step=info.step, level=info.level, tier=name
+                )
+                return info
+        if candidates:
+            raise TrainsnapError(
+                f"none of the {len(candidates)} committed snapshots of "
+                f"{[t.storage.url for t in self._tiers()]} could be restored; see the warnings "
+                "above for each one's damage"
+            )
+        return None
+
+    def _agree_fallback(self, error: TrainsnapError) -> bool:
+        """Fall back to an older snapshot only if every rank's failure is damage to this one
+        (corrupt or incomplete data, another rank's failure); a state that does not fit, a level
+        the snapshot cannot give or a newer format would not fit an older snapshot either, and
+        silently resuming from further back would lose progress. Every rank decides alike."""
+        damage = isinstance(error, CorruptError | IncompleteError | CommitFailedError)
+        session = self.comm.session("fallback")
+        try:
+            votes = session.gather("vote", damage)
+            verdict = None if votes is None else all(votes)
+            return bool(session.broadcast("verdict", verdict))
+        finally:
+            session.close()
+
+    def _candidates(
+        self, state: Any, level: str, allow_downgrade: bool
+    ) -> list[tuple[str, list[str]]]:
+        """(id, tiers holding it) newest first, decided by the coordinator so every rank tries
+        the same sequence."""
+        session = self.comm.session("restore")
+        try:
+            found = None
+            if self.comm.is_coordinator:
+                by_id: dict[str, tuple[tuple[int, str], list[str]]] = {}
+                for tier in self._tiers():
+                    for c in commit.list_committed(tier.storage):
+                        if (
+                            isinstance(state, TrainState)
+                            and not allow_downgrade
+                            and level_rank(str(c.marker.summary.get("level", "weights")))
+                            < level_rank(level)
+                        ):
+                            continue  # cannot give the level asked (e.g. a weights-only save)
+                        key = (c.step, str(c.marker.summary.get("created", "")))
+                        by_id.setdefault(c.snapshot_id, (key, []))[1].append(tier.name)
+                ordered = sorted(by_id.items(), key=lambda kv: kv[1][0], reverse=True)
+                found = [(sid, names) for sid, (_, names) in ordered]
+            return list(session.broadcast("candidates", found))
+        finally:
+            session.close()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> bool:
+        """Call after each optimizer step. Saves when a policy (or a preemption) says so;
+        returns True if it saved. After a preemption save, :attr:`preempted` is True."""
+        self._check_open()
+        now = time.monotonic()
+        if self._last_step_time is not None:
+            self._step_times.append(now - self._last_step_time)
+        self._last_step_time = now
+        info = StepInfo(
+            step=step,
+            now=now,
+            last_save_step=self._last_save_step,
+            last_save_time=self._last_save_time,
+            save_costs=tuple(self._save_costs),
+            step_times=tuple(self._step_times),
+            mtbf_observed=self.observed_mtbf,
+        )
+        # Publish decisions for the next step: the coordinator's shared policies, and a
+        # preemption signalled on this rank.
+        at = step if self.comm.world_size == 1 else step + 1
+        kinds = (
+            ("durable", self.policies),
+            ("local", self.local_policies),
+            ("weights", self.weights_policies),
+        )
+        local = {k for k, ps in kinds if any(p.should_save(info) for p in ps if not p.shared)}
+        if self.comm.is_coordinator:
+            for k, ps in kinds:
+                if any(p.should_save(info) for p in ps if p.shared):
+                    self._decisions.publish(at, k)
+        if self._preempt_flag.is_set():
+            self._preempt_flag.clear()
+            self._decisions.publish(at, "preempt")
+        wanted = local | self._decisions.take(step)
+        if not wanted:
+            return False
+        preempt = "preempt" in wanted
+        if preempt or "durable" in wanted:
+            handle = self.save(step, state, metrics=metrics)
+        elif "local" in wanted:
+            handle = self.save(step, state, metrics=metrics, tier="local")
+        else:
+            handle = self.save(step, state, metrics=metrics, parts=("model",))
+        if preempt:
+            self.preempted = True
+            if isinstance(handle, SaveHandle):
+                handle.wait()  # a preempted job must not exit before its save is durable
+            self._record("preempt", step=step)
+        return handle is not None
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        tags: Sequence[str] = (),
+        tier: str = "durable",
+        parts: Sequence[str] | None = None,
+    ) -> SaveHandle | SnapshotInfo | None:
+        """Save now (asynchronously if the manager is). ``tags`` pin the snapshot; ``tier``
+        "local" saves to the local tier only; ``parts`` saves only those parts of a
+        :class:`TrainState` (e.g. ``("model",)``), and the snapshot says which level it gives.
+        A durable save with a local tier is saved locally, then promoted to the durable root."""
+        self._check_open()
+        if tier not in ("durable", "local"):
+            raise InvalidArgumentError(f"tier must be 'durable' or 'local', got {tier!r}")
+        if tier == "local" and self.local is None:
+            raise InvalidArgumentError("tier='local' needs a local_root= on the manager")
+        meta: dict[str, Any] = {}
+        if metrics:
+            meta["metrics"] = {str(k): float(v) for k, v in metrics.items()}
+        if tags:
+            meta["tags"] = [str(t) for t in tags]
+        tree, opts = self.save_options.request(state, step, parts)
+        opts.meta = {**opts.meta, **meta}
+        target = self.local if self.local is not None else self.durable
+        promote_to = self.durable if (tier == "durable" and self.local is not None) else None
+        opts.fence = target.fence if self.comm.is_coordinator else None
+        if self.comm.is_coordinator:
+            opts.on_commit = lambda m, n: self._after_commit(target, promote_to, m, n)
+        t0 = time.perf_counter()
+        result: SaveHandle | SnapshotInfo | None
+        if self.async_save:
+            result = self.saver.save(tree, target.storage, opts, self.comm)
+            if result is not None:
+                self._handles.append(result)
+                self._save_costs.append(result.pause)
+        else:
+            r = run_save(tree, target.storage, opts, self.comm)
+            self._save_costs.append(time.perf_counter() - t0)
+            result = r.info(target.storage.url)
+        if result is not None:
+            self._last_save_step, self._last_save_time = step, time.monotonic()
+        return result
+
+    def _after_commit(
+        self, tier: _Tier, promote_to: _Tier | None, manifest: Manifest, bytes_written: int
+    ) -> None:
+        """(coordinator, after each commit) record, promote, apply retention, collect."""
+        tier.newest, tier.newest_step = manifest.snapshot_id, manifest.step
+        self.last_save_bytes = (manifest.nbytes, bytes_written)
+        self._record(
+            "save",
+            snapshot=manifest.snapshot_id,
+            step=manifest.step,
+            nbytes=manifest.nbytes,
+            bytes_written=bytes_written,
+            level=manifest.level,
+            tier=tier.name,
+        )
+        touched = [tier]
+        if promote_to is not None:
+            copied = promote(
+                tier.storage, promote_to.storage, manifest.snapshot_id, fence=promote_to.fence
+            )
+            promote_to.newest, promote_to.newest_step = manifest.snapshot_id, manifest.step
+            self._record(
+                "promote", snapshot=manifest.snapshot_id, step=manifest.step, bytes_copied=copied
+            )
+            touched.append(promote_to)
+        for t in touched:
+            t.apply_retention()
+            if self.options.quantize_history:
+                self._quantize(t)
+            if self.saver.in_flight() <= 1:  # only this save, finishing now
+                collection.collect(t.storage, grace=self.options.gc_grace)
+
+    def _quantize(self, tier: _Tier) -> None:
+        """Older retained snapshots, never the newest: optimizer state at bfloat16 precision."""
+        found = commit.list_committed(tier.storage)
+        for c in found[:-1]:
+            if not c.marker.summary.get("approximate"):
+                quantize_history(tier.storage, c.snapshot_id, fence=tier.fence)
+
+    def apply_retention(self) -> list[str]:
+        """Delete the committed snapshots no retention policy keeps (never the newest), on
+        every tier."""
+        return [sid for t in self._tiers() for sid in t.apply_retention()]
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error if it failed."""
+        self.saver.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), release the root, restore the
+        previous signal handlers."""
+        if self._closed:
+            return
+        try:
+            self.saver.close()
+        finally:
+            self._closed = True
+            self._restore_signals()
+            if self.comm.is_coordinator and self.generation is not None:
+                self._record("close")
+                for tier in self._tiers():
+                    tier.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this CheckpointManager is closed")
+
+    # -- preemption signals -------------------------------------------------------------------
+
+    def _install_signals(self, signals: Sequence[int]) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for sig in signals:
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._preempt_flag.set()
+        log.warning("signal %s: saving at the next step", signal.Signals(signum).name)
+        prev = self._previous_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+
+def _candidate(cap: commit.Committed) -> Candidate:
+    s = cap.marker.summary
+    return Candidate(
+        cap.snapshot_id, cap.step, dict(s.get("metrics", {})), tuple(s.get("tags", ()))
+    )
+
+
+@dataclass(slots=True)
+class _Tier:
+    """One root the manager writes: its storage, lease, retention and newest snapshot."""
+
+    name: str
+    storage: Storage
+    retention: list[Retention]
+    lease: lease.Lease | None = None
+    newest: str | None = None
+    newest_step: int | None = None
+
+    def start(self) -> None:
+        self.lease = lease.Lease.take(self.storage)
+        found = commit.list_committed(self.storage)
+        if found:
+            self.newest_step = found[-1].step
+
+    def fence(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def apply_retention(self) -> list[str]:
+        if not self.retention:
+            return []
+        cands = [_candidate(c) for c in commit.list_committed(self.storage)]
+        doomed = to_delete(cands, self.retention, protected=set())
+        for c in doomed:
+            collection.delete_snapshot(self.storage, c.id)
+        if doomed:
+            log.info(
+                "retention deleted %d snapshot(s) from %s: steps %s",
+                len(doomed),
+                self.name,
+                [c.step for c in doomed],
+            )
+        return [c.id for c in doomed]
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release(newest=self.newest)
+
+
+class _Decisions:
+    """Step-keyed decisions on the control plane: ``decide/<step>/<kind>`` exists when every
+    rank must save (that kind of save) at that step (see the module docstring for why s + 1)."""
+
+    KINDS = ("preempt", "durable", "local", "weights")
+
+    def __init__(self, comm: Comm, seq: int) -> None:
+        self.comm = comm
+        self.local: dict[int, set[str]] = {}
+        self.store = comm.store if isinstance(comm, StoreComm) else None
+        self.prefix = f"trainsnap/manager-{seq}/decide"
+
+    def publish(self, step: int, kind: str) -> None:
+        if self.store is None:
+            self.local.setdefault(step, set()).add(kind)
+            return
+        self.store.set(f"{self.prefix}/{step}/{kind}", b"1")
+
+    def take(self, step: int) -> set[str]:
+        if self.store is None:
+            return self.local.pop(step, set())
+        found = {k for k in self.KINDS if self.store.check([f"{self.prefix}/{step}/{k}"])}
+        if self.comm.is_coordinator:
+            for k in self.KINDS:  # every rank is long past that step
+                old = f"{self.prefix}/{step - 16}/{k}"
+                if self.store.check([old]):
+                    self.store.delete_key(old)
+        return found
+
+
+def _open_local(
+    local_root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
+) -> Storage:
+    """The local tier: one root, or this node's view of one root per node."""
+    if isinstance(local_root, str | os.PathLike) or hasattr(local_root, "put"):
+        return open_storage(local_root, **dict(options or {}))
+    roots = [open_storage(r, **dict(options or {})) for r in local_root]
+    if node is None:
+        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    return open_storage(NodeTier(roots, node, partner=partner))

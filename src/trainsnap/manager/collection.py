@@ -1,0 +1,149 @@
+"""Deleting snapshots and collecting garbage, without ever breaking a retained snapshot.
+
+Deleting a snapshot removes its marker first: a half-deleted snapshot is simply uncommitted,
+never a committed one with parts missing. Objects are collected by mark and sweep: everything
+referenced by a committed snapshot is kept; an unreferenced object is deleted only if it is
+older than a grace period -- a save in flight writes (or, when it reuses an object, refreshes)
+its objects before it commits, so the grace period protects them. When no writer holds the root
+(its lease was released) there is nothing in flight and everything unreferenced goes at once.
+If any committed snapshot's manifest cannot be read, nothing is collected: its references are
+unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from trainsnap import faults
+from trainsnap.errors import TrainsnapError
+from trainsnap.format.manifest import manifest_keys, marker_key
+from trainsnap.manager import lease
+from trainsnap.protocol import commit
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GcReport:
+    dry_run: bool
+    grace: float | None
+    snapshots_kept: int = 0
+    objects_kept: int = 0
+    objects_deleted: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    uncommitted_deleted: list[str] = field(default_factory=list)
+    temporaries_deleted: int = 0
+    young_skipped: int = 0
+    """Unreferenced objects left alone because they are inside the grace period."""
+
+
+def delete_snapshot(storage: Storage, snapshot_id: str) -> None:
+    """Uncommit (marker first), then remove the rest of the snapshot's files. Objects stay
+    until a collection finds them unreferenced."""
+    storage.delete(marker_key(snapshot_id))
+    faults.point("delete_uncommitted")  # the marker is gone: the snapshot is already uncommitted
+    for key in list(storage.list(f"snapshots/{snapshot_id}/")):
+        storage.delete(key)
+    for key in manifest_keys(snapshot_id):  # a listing may lag behind the writes
+        storage.delete(key)
+
+
+def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = False) -> GcReport:
+    """Mark and sweep. ``grace=None`` means: no writer can be active, collect everything
+    unreferenced now (callers check the lease first; see :func:`collect_root`)."""
+    report = GcReport(dry_run=dry_run, grace=grace)
+    problems: list[TrainsnapError] = []
+    committed = commit.list_committed(storage, problems)
+    if problems:
+        raise TrainsnapError(
+            f"not collecting {storage.url}: {len(problems)} committed snapshot(s) cannot be read, "
+            "so what they reference is unknown. Run `trainsnap verify` and delete or repair them.",
+            problems=[str(p) for p in problems],
+        )
+    referenced: set[str] = set()
+    for c in committed:
+        referenced.update(commit.open_snapshot(storage, c.snapshot_id).object_names)
+    report.snapshots_kept = len(committed)
+    now = time.time()
+
+    def old(key: str) -> bool:
+        if grace is None:
+            return True
+        try:
+            return now - storage.mtime(key) > grace
+        except FileNotFoundError:
+            return False
+
+    live = {c.snapshot_id for c in committed}
+    for sid in sorted(commit.snapshot_ids(storage) - live):
+        keys = list(storage.list(f"snapshots/{sid}/"))
+        if keys and all(old(k) for k in keys):  # a commit may be in progress: the grace covers it
+            report.uncommitted_deleted.append(sid)
+            if not dry_run:
+                delete_snapshot(storage, sid)
+    for key in storage.list("objects/"):
+        name = key.rsplit("/", 1)[-1]
+        if name in referenced:
+            report.objects_kept += 1
+            continue
+        if not old(key):
+            report.young_skipped += 1
+            continue
+        try:
+            size = storage.stat(key)
+        except FileNotFoundError:
+            continue
+        report.objects_deleted.append(name)
+        report.bytes_freed += size
+        if not dry_run:
+            faults.point("gc_delete")
+            storage.delete(key)
+    report.temporaries_deleted = _temporaries(storage, grace, now, dry_run)
+    log.info(
+        "collected %s: %d object(s), %d bytes, %d uncommitted snapshot(s)%s",
+        storage.url,
+        len(report.objects_deleted),
+        report.bytes_freed,
+        len(report.uncommitted_deleted),
+        " (dry run)" if dry_run else "",
+    )
+    return report
+
+
+def _temporaries(storage: Storage, grace: float | None, now: float, dry_run: bool) -> int:
+    """Leftover temporary files of interrupted writes (POSIX roots)."""
+    import os
+
+    lister = getattr(storage, "list_temporaries", None)
+    if lister is None:
+        return 0
+    n = 0
+    for path in list(lister()):
+        try:
+            if grace is not None and now - os.stat(path).st_mtime <= grace:
+                continue
+            if not dry_run:
+                os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            continue
+    return n
+
+
+def collect_root(storage: Storage, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
+    """Collect with the grace period while a writer holds the root, everything otherwise --
+    unless the listing is stale: the released writer's newest snapshot must be listed."""
+    writer = lease.active_writer(storage)
+    if writer is None:
+        g = lease.current_generation(storage)
+        newest = lease.released_newest(storage, g) if g else None
+        if newest is not None and newest not in commit.snapshot_ids(storage):
+            raise TrainsnapError(
+                f"not collecting {storage.url}: the last writer committed {newest} but the "
+                "listing does not show it yet (a lagging listing). Try again later.",
+                snapshot_id=newest,
+            )
+    return collect(storage, grace=grace if writer is not None else None, dry_run=dry_run)

@@ -1,0 +1,167 @@
+"""Who may commit to a root (fencing), and the root's restart log.
+
+Generations: a job that opens a root for writing creates ``lease/gen-<N+1>`` (create-if-absent,
+so two jobs starting at once get different numbers) and takes over at once, never waiting for
+the previous holder, which may be dead. Before each commit the writer checks that no newer
+generation exists: a writer that survived its own replacement (a zombie after a preemption or a
+partition) can never commit once a newer one took over. ``close()`` writes
+``lease/released-<N>``: the collector then knows that no writer is active.
+
+The restart log ``events/`` holds one small object per event (start, restore, save, preempt,
+close). A generation whose last event is not ``close`` or ``preempt`` ended in a crash; the
+time between crashes across generations gives the observed MTBF used by ``YoungDaly``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainsnap.errors import CommitFailedError
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+_GEN = "lease/gen-"
+_REL = "lease/released-"
+
+
+def _gens(storage: Storage) -> list[int]:
+    out = []
+    for key in storage.list("lease/"):
+        if key.startswith(_GEN):
+            try:
+                out.append(int(key[len(_GEN) :]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def current_generation(storage: Storage) -> int:
+    gens = _gens(storage)
+    return gens[-1] if gens else 0
+
+
+def is_released(storage: Storage, generation: int) -> bool:
+    try:
+        storage.stat(f"{_REL}{generation:012d}")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def released_newest(storage: Storage, generation: int) -> str | None:
+    """The newest snapshot the released writer ``generation`` committed, if it said."""
+    try:
+        doc = json.loads(storage.get(f"{_REL}{generation:012d}"))
+    except (FileNotFoundError, ValueError):
+        return None
+    newest = doc.get("newest") if isinstance(doc, dict) else None
+    return newest if isinstance(newest, str) else None
+
+
+def active_writer(storage: Storage) -> int | None:
+    """The generation holding the root, or None when the newest one released it (or none
+    ever took it)."""
+    g = current_generation(storage)
+    if g == 0 or is_released(storage, g):
+        return None
+    return g
+
+
+@dataclass(slots=True)
+class Lease:
+    storage: Storage
+    generation: int
+
+    @staticmethod
+    def take(storage: Storage) -> Lease:
+        """Take the root over now: the next free generation is ours."""
+        g = current_generation(storage) + 1
+        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+        while not storage.put_if_absent(f"{_GEN}{g:012d}", owner.encode()):
+            g += 1  # another job took this one at the same moment
+        for old in _gens(storage):
+            if old < g - 8:  # keep a short history; generations only ever grow
+                storage.delete(f"{_GEN}{old:012d}")
+                storage.delete(f"{_REL}{old:012d}")
+        log.info("took over %s as writer generation %d", storage.url, g)
+        return Lease(storage, g)
+
+    def check(self) -> None:
+        """Raise unless we are still the newest writer (called before each commit)."""
+        newest = current_generation(self.storage)
+        if newest != self.generation:
+            raise CommitFailedError(
+                f"this writer (generation {self.generation}) was superseded by generation "
+                f"{newest} on {self.storage.url}: a newer job took the root over. This save is "
+                "not committed, and no save of this writer ever will be; stop this process."
+            )
+
+    def release(self, newest: str | None = None) -> None:
+        """Release the root, naming the newest snapshot this writer committed: a collector that
+        then lists the root must find it, or its listing is stale (eventual consistency) and it
+        must not decide what is garbage from it."""
+        body = json.dumps({"newest": newest, "time": time.time()}).encode()
+        self.storage.put(f"{_REL}{self.generation:012d}", body)
+
+
+# -- the restart log ------------------------------------------------------------------------------
+
+
+def record(storage: Storage, generation: int, kind: str, **fields: Any) -> None:
+    """Append one event (an object of its own: object stores cannot append)."""
+    now = time.time()
+    key = f"events/{int(now * 1e6):020d}-{generation:012d}-{kind}.json"
+    body = {"time": now, "generation": generation, "kind": kind, **fields}
+    try:
+        storage.put(key, json.dumps(body, default=str).encode())
+    except OSError as e:  # the log is advisory: never fail training for it
+        log.warning("could not record %s event in %s: %s", kind, storage.url, e)
+
+
+def events(storage: Storage) -> list[dict[str, Any]]:
+    out = []
+    for key in sorted(storage.list("events/")):
+        try:
+            out.append(json.loads(storage.get(key)))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def observed_mtbf(evs: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """(mean seconds between crashes, crashes) over the generations in the log."""
+    by_gen: dict[int, list[dict[str, Any]]] = {}
+    for e in evs:
+        by_gen.setdefault(int(e.get("generation", 0)), []).append(e)
+    uptime, crashes = 0.0, 0
+    for g in sorted(by_gen):
+        es = sorted(by_gen[g], key=lambda e: e["time"])
+        uptime += es[-1]["time"] - es[0]["time"]
+        if es[-1]["kind"] not in ("close", "preempt"):
+            crashes += 1
+    # The newest generation is the one running now: it has not crashed (yet).
+    if by_gen and sorted(by_gen[max(by_gen)], key=lambda e: e["time"])[-1]["kind"] not in (
+        "close",
+        "preempt",
+    ):
+        crashes -= 1
+    if crashes <= 0:
+        return None, 0
+    return uptime / crashes, crashes
+
+
+def last_generation_crashed(evs: list[dict[str, Any]], before: int) -> dict[str, Any] | None:
+    """The last event of the newest generation older than ``before``, if it ended in a crash."""
+    older = [e for e in evs if int(e.get("generation", 0)) < before]
+    if not older:
+        return None
+    g = max(int(e["generation"]) for e in older)
+    last = max((e for e in older if int(e["generation"]) == g), key=lambda e: e["time"])
+    return None if last["kind"] in ("close", "preempt") else last

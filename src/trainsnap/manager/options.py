@@ -1,0 +1,70 @@
+"""The manager's options, grouped by concern: :class:`ManagerOptions` (saving in the background,
+collection, preemption, the control plane) and :class:`LocalTier` (a fast tier in front of the
+durable root)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainsnap.errors import InvalidArgumentError
+from trainsnap.manager.policies import KeepLast
+from trainsnap.storage import Root
+
+
+@dataclass(kw_only=True, slots=True)
+class ManagerOptions:
+    """How a :class:`~trainsnap.CheckpointManager` runs its saves."""
+
+    max_in_flight: int = 1
+    """Saves in flight at most; a new one waits for the oldest (or is skipped)."""
+    skip_if_busy: bool = False
+    """Skip a save, with a log line, instead of waiting when ``max_in_flight`` are running."""
+    staging_budget: int | None = None
+    """Most host bytes the staging pool may hold (None: no limit); a save that does not fit is
+    saved synchronously."""
+    gc_grace: float = 3600.0
+    """Seconds an unreferenced object is left alone (a save in flight may be about to reference
+    it); should exceed the longest save."""
+    preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1)
+    """Signals that request a save at the next step (handlers chain to the previous ones);
+    ``()`` installs none."""
+    weights_interval: Any = None
+    """When to save the model alone (a ``weights``-level snapshot) between full saves."""
+    quantize_history: bool = False
+    """Keep the optimizer state of retained snapshots other than the newest at bfloat16
+    precision (recorded as approximate: they restore at ``training``)."""
+    coordinator: int = 0
+    """The rank that plans and commits."""
+    timeout: float | None = None
+    """Longest wait, in seconds, for the other ranks in an exchange (None: the default)."""
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.gc_grace < 0:
+            raise InvalidArgumentError(f"gc_grace must be >= 0 seconds, got {self.gc_grace}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalTier:
+    """A fast local tier (node NVMe, RAM disk) in front of the manager's durable root.
+
+    Frequent snapshots (``interval``) go to it alone; durable saves are saved there too and then
+    promoted to the durable root in the background.
+    """
+
+    root: Root | Sequence[Root]
+    """One root, or one root per node (``[node0, node1, ...]``) of which this process uses
+    ``node``."""
+    interval: Any = None
+    """When to save to the local tier only (same forms as the manager's ``interval``)."""
+    retention: Any = field(default_factory=lambda: KeepLast(2))
+    """What the local tier keeps."""
+    partner: bool = True
+    """With per-node roots, also keep each node's objects on the next node, so the local tier
+    survives the loss of one node."""
+    node: int | None = None
+    """This process's node (default: ``NODE_RANK`` or ``GROUP_RANK`` from the environment)."""

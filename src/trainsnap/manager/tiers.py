@@ -1,0 +1,157 @@
+"""Tiers: a fast local tier (node NVMe, RAM disk) in front of a durable one, and a local tier
+that survives the loss of one node.
+
+:class:`NodeTier` is the local tier of a job whose nodes each have their own root. A rank writes
+its objects to its node's root and, with ``partner=True``, to the next node's root too;
+snapshot files (manifest, marker), leases and events go to every node's root. Reads look in this
+node's root first, then in the others; listings are the union. So after losing one node, the
+surviving roots still hold every object and every manifest: the local tier still restores.
+
+:func:`promote` copies a committed snapshot from one tier to another in commit order: missing
+objects, then the manifest, then the marker -- the destination never shows a snapshot whose
+objects are not all there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+from trainsnap import faults
+from trainsnap.errors import TrainsnapError
+from trainsnap.format.manifest import manifest_key, marker_key, object_key
+from trainsnap.protocol import commit
+from trainsnap.storage.base import Buffer, Storage
+
+log = logging.getLogger(__name__)
+
+
+class NodeTier:
+    """One node's view of a local tier spread over per-node roots."""
+
+    readinto_is_zero_copy = False
+
+    def __init__(self, roots: Sequence[Storage], node: int, *, partner: bool = True) -> None:
+        if not roots or not 0 <= node < len(roots):
+            raise ValueError(f"node {node} outside the {len(roots)} node roots")
+        self.roots = list(roots)
+        self.node = node
+        self.partner = partner and len(roots) > 1
+        self.url = roots[node].url
+
+    def __repr__(self) -> str:
+        return f"NodeTier(node={self.node}, roots={[r.url for r in self.roots]})"
+
+    def _writes(self, key: str) -> list[Storage]:
+        if key.startswith("objects/"):
+            mine = [self.roots[self.node]]
+            if self.partner:
+                mine.append(self.roots[(self.node + 1) % len(self.roots)])
+            return mine
+        return self.roots  # small and needed by whoever restores: everywhere
+
+    def _reads(self) -> list[Storage]:
+        return [self.roots[self.node], *(r for i, r in enumerate(self.roots) if i != self.node)]
+
+    def _first(self, operation: str, key: str, fn: object) -> object:
+        missing: Exception | None = None
+        for root in self._reads():
+            try:
+                return fn(root)  # type: ignore[operator]
+            except FileNotFoundError as e:
+                missing = e
+            except OSError as e:  # a lost node: its root is gone or unreachable
+                missing = e
+        raise FileNotFoundError(f"{operation} {key}: not in any node root ({missing})")
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        for root in self._writes(key):
+            root.put(key, data)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        out: bytes = self._first("get", key, lambda r: r.get(key, start, end))  # type: ignore[assignment]
+        return out
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        self._first("read", key, lambda r: r.read_into(key, start, out))
+
+    def stat(self, key: str) -> int:
+        size: int = self._first("stat", key, lambda r: r.stat(key))  # type: ignore[assignment]
+        return size
+
+    def mtime(self, key: str) -> float:
+        t: float = self._first("mtime", key, lambda r: r.mtime(key))  # type: ignore[assignment]
+        return t
+
+    def list(self, prefix: str) -> Iterator[str]:
+        seen: set[str] = set()
+        for root in self._reads():
+            try:
+                keys = list(root.list(prefix))
+            except OSError:
+                continue
+            for k in keys:
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+    def delete(self, key: str) -> None:
+        for root in self.roots:
+            try:
+                root.delete(key)
+            except OSError:
+                continue
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        if not self.roots[0].put_if_absent(key, data):
+            return False
+        for root in self.roots[1:]:
+            root.put(key, data)
+        return True
+
+    def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        for root in self._writes(key):
+            try:
+                root.refresh(key, data)
+            except FileNotFoundError:
+                root.put(key, data)  # the partner lost its copy: restore it
+
+
+def promote(src: Storage, dst: Storage, snapshot_id: str, fence: object = None) -> int:
+    """Copy a committed snapshot from ``src`` to ``dst`` (objects, manifest, marker, in that
+    order); returns the bytes of objects copied. Objects already in ``dst`` are not copied."""
+    m = commit.open_snapshot(src, snapshot_id)
+    copied = 0
+    for name, size in zip(m.object_names, m.stored().tolist(), strict=True):
+        key = object_key(name)
+        try:
+            if dst.stat(key) == size:
+                # Reused in the destination: keep it young for the collector's grace period.
+                if time.time() - dst.mtime(key) > 60:
+                    dst.refresh(key, src.get(key))
+                continue
+        except FileNotFoundError:
+            pass
+        data = src.get(key)
+        if len(data) != size:
+            raise TrainsnapError(
+                f"cannot promote {snapshot_id}: object {name} is {len(data)} bytes in "
+                f"{src.url}, the manifest says {size}",
+                snapshot_id=snapshot_id,
+                path=key,
+            )
+        faults.point("promote_object")
+        dst.put(key, data)
+        copied += size
+    faults.point("promote_manifest")
+    if callable(fence):
+        fence()
+    key = manifest_key(snapshot_id, m.format_version)
+    dst.put(key, src.get(key))
+    faults.point("promote_marker")
+    if callable(fence):
+        fence()
+    dst.put(marker_key(snapshot_id), src.get(marker_key(snapshot_id)))
+    log.info("promoted %s from %s to %s (%d bytes copied)", snapshot_id, src.url, dst.url, copied)
+    return copied

@@ -1,0 +1,334 @@
+"""The global save plan: who writes what. Pure -- no data, no I/O, no torch.distributed.
+
+Input: what each rank holds (:class:`RankMeta`: its step, its tensor entries and values, with
+sizes and, for undeclared replicas, content digests). Output: per rank, which of its entries and
+values it writes and under which scope (:class:`Assignment`), or the reasons the save cannot go
+ahead -- on every rank, before anything is written.
+
+Scale: ranks' entry lists are gathered per top-level state key as opaque blobs, and identical
+blobs (data-parallel replicas of a model hold identical lists) are decoded and processed once, so
+the work is O(unique entries), not O(ranks x entries). Writer balancing is greedy, largest first,
+onto the least-loaded holder (a heap per holder group with lazy updates), O(n log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+import pickle
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trainsnap.format.regions import Flat, Region, Shape, tiling_problems
+
+GLOBAL = -1
+
+Entry = tuple[str, str, Shape, Region, int, bytes | None]
+"""(key, dtype name, global shape, region, nbytes, content digest or None).
+
+The digest is given for undeclared replicas (a plain tensor that several ranks may hold): the
+plan stores it once only if every holder's bytes are identical. Declared layouts (``DTensor``,
+``ts.Sharded``) carry ``None`` and are deduplicated by region alone.
+"""
+
+Value = tuple[str, str, bytes, int]
+"""(key, codec, content digest, nbytes) of a plain value."""
+
+
+@dataclass(slots=True)
+class RankMeta:
+    rank: int
+    step: int
+    groups: list[tuple[str, bytes]] = field(default_factory=list)
+    """(top-level key, pickled list of :data:`Entry`) -- identical blobs are processed once."""
+    values: list[Value] = field(default_factory=list)
+    error: str | None = None
+    """Set when this rank could not even describe its state; the save is refused everywhere."""
+
+    @staticmethod
+    def pack(rank: int, step: int, entries: Sequence[Entry], values: list[Value]) -> RankMeta:
+        by_group: dict[str, list[Entry]] = defaultdict(list)
+        for e in entries:
+            by_group[e[0].split(".", 1)[0]].append(e)
+        groups = [(g, pickle.dumps(es, protocol=5)) for g, es in by_group.items()]
+        return RankMeta(rank, step, groups, values)
+
+
+@dataclass(slots=True)
+class Assignment:
+    snapshot_id: str = ""
+    entries: list[tuple[int, int]] = field(default_factory=list)
+    """(index in this rank's flattened entries, scope) of each entry it writes."""
+    values: list[tuple[int, int]] = field(default_factory=list)
+    """(index in this rank's values, scope) of each value it writes."""
+    problems: list[str] = field(default_factory=list)
+    """Why the save is refused (identical on every rank); empty when it goes ahead."""
+
+
+@dataclass(slots=True)
+class SavePlan:
+    assignments: list[Assignment]
+    bytes_per_rank: list[int]
+    tensors: dict[tuple[str, int], tuple[str, Shape]]
+    """(key, scope) -> (dtype, global shape) of every tensor the snapshot will hold."""
+    decoded: dict[bytes, list[Entry]] = field(default_factory=dict)
+    """The entry blobs as decoded by the plan (the coordinator's manifest reuses them)."""
+    metas: list[RankMeta] = field(default_factory=list)
+    """The rank descriptions the plan was made from (one process: made by the plan)."""
+
+    @property
+    def problems(self) -> list[str]:
+        return self.assignments[0].problems if self.assignments else []
+
+
+def flat_entries(meta: RankMeta, decoded: dict[bytes, list[Entry]]) -> list[Entry]:
+    """A rank's entries in group order (the order :class:`Assignment` indices refer to)."""
+    out: list[Entry] = []
+    for _g, blob in meta.groups:
+        es = decoded.get(blob)
+        if es is None:
+            es = decoded[blob] = pickle.loads(blob)
+        out.extend(es)
+    return out
+
+
+def _refuse(world: int, problems: list[str]) -> SavePlan:
+    return SavePlan([Assignment(problems=problems) for _ in range(world)], [0] * world, {})
+
+
+@dataclass(slots=True)
+class _Unique:
+    """One (key, region) to write, the ranks holding it and where it sits in each.
+
+    Holders are kept per blob -- (the blob's (rank, offset) list, index in the blob) -- so that
+    an entry shared by the 32 data-parallel replicas of a blob costs one tuple, not 32.
+    """
+
+    dtype: str
+    shape: Shape
+    nbytes: int
+    sources: list[tuple[list[tuple[int, int]], int]] = field(default_factory=list)
+    digests: set[bytes | None] = field(default_factory=set)
+
+    def holders(self) -> list[tuple[int, int]]:
+        """(rank, flat index) of every holder."""
+        return [(r, off + i) for src, i in self.sources for r, off in src]
+
+    def count(self) -> int:
+        return sum(len(src) for src, _ in self.sources)
+
+    def index_on(self, rank: int) -> int:
+        for src, i in self.sources:
+            for r, off in src:
+                if r == rank:
+                    return off + i
+        raise KeyError(rank)
+
+
+def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
+    """Decide who writes what, or refuse with every reason found."""
+    world = len(metas)
+    problems = [f"rank {m.rank}: {m.error}" for m in metas if m.error]
+    if problems:
+        return _refuse(world, problems)
+    steps = {m.step for m in metas}
+    if len(steps) > 1:
+        by_step: dict[int, list[int]] = defaultdict(list)
+        for m in metas:
+            by_step[m.step].append(m.rank)
+        shown = "; ".join(f"step {s} on ranks {_ranks(r)}" for s, r in sorted(by_step.items()))
+        return _refuse(world, [f"ranks disagree on the step: {shown}"])
+
+    decoded: dict[bytes, list[Entry]] = {}
+    uniques, problems = _collect(metas, decoded)
+    if problems:
+        return _refuse(world, problems)
+    tensors, scoped, problems = _scope_and_check(uniques, world)
+    if problems:
+        return _refuse(world, problems)
+    assignments = [Assignment(snapshot_id=snapshot_id) for _ in range(world)]
+    loads = [0] * world
+    # Ranks' own (non-replicated) entries load them first; replicas then go where there is room.
+    replicated = []
+    for (_key, scope), u in scoped:
+        if scope != GLOBAL:  # a rank's own copy: that rank writes it
+            assignments[scope].entries.append((u.index_on(scope), scope))
+            loads[scope] += u.nbytes
+        elif u.count() == 1:
+            src, i = u.sources[0]
+            rank, off = src[0]
+            assignments[rank].entries.append((off + i, GLOBAL))
+            loads[rank] += u.nbytes
+        else:
+            replicated.append(u)
+    _balance(replicated, loads, assignments)
+    _assign_values(metas, loads, assignments)
+    return SavePlan(assignments, loads, tensors, decoded, metas)
+
+
+_LOCAL_BLOB = b"<this process>"
+
+
+def plan_local(entries: list[Entry], values: list[Value], step: int, snapshot_id: str) -> SavePlan:
+    """The plan of a single process: it writes everything, all of it global. Nothing is
+    pickled (the pause of an asynchronous save includes planning)."""
+    problems: list[str] = []
+    tensors: dict[tuple[str, int], tuple[str, Shape]] = {}
+    for key, dtype, shape, region, _n, _d in entries:
+        tensors[(key, GLOBAL)] = (dtype, shape)
+        if region.numel != _numel(shape):
+            for why in tiling_problems([region], shape, limit=3):
+                problems.append(
+                    f"{key!r}: the shards all ranks hold together do not tile the tensor: {why}"
+                )
+    if problems:
+        return _refuse(1, problems[:20])
+    a = Assignment(
+        snapshot_id=snapshot_id,
+        entries=[(i, GLOBAL) for i in range(len(entries))],
+        values=[(i, GLOBAL) for i in range(len(values))],
+    )
+    loads = [sum(e[4] for e in entries) + sum(v[3] for v in values)]
+    meta = RankMeta(0, step, [("", _LOCAL_BLOB)], values)
+    return SavePlan([a], loads, tensors, {_LOCAL_BLOB: list(entries)}, [meta])
+
+
+def _ranks(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks[:8])) + (
+        f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    )
+
+
+def _collect(
+    metas: list[RankMeta], decoded: dict[bytes, list[Entry]]
+) -> tuple[dict[tuple[str, Region], _Unique], list[str]]:
+    """Every distinct (key, region) with its holders; blobs shared by ranks are decoded once."""
+    problems: list[str] = []
+    # Ranks holding the same blob share every entry of it: expand per blob, not per rank.
+    blob_ranks: dict[bytes, list[tuple[int, int]]] = defaultdict(list)
+    for m in metas:
+        offset = 0
+        for _g, blob in m.groups:
+            es = decoded.get(blob)
+            if es is None:
+                es = decoded[blob] = pickle.loads(blob)
+            blob_ranks[blob].append((m.rank, offset))
+            offset += len(es)
+    uniques: dict[tuple[str, Region], _Unique] = {}
+    for blob, holders in blob_ranks.items():
+        for i, (key, dtype, shape, region, nbytes, digest) in enumerate(decoded[blob]):
+            u = uniques.get((key, region))
+            if u is None:
+                u = uniques[(key, region)] = _Unique(dtype, shape, nbytes)
+            elif u.dtype != dtype or u.shape != shape:
+                problems.append(
+                    f"{key!r}: ranks disagree on dtype/shape ({u.dtype} {list(u.shape)} vs "
+                    f"{dtype} {list(shape)}, rank {holders[0][0]})"
+                )
+                continue
+            u.sources.append((holders, i))
+            u.digests.add(digest)
+    return uniques, problems[:20]
+
+
+def _scope_and_check(
+    uniques: dict[tuple[str, Region], _Unique], world: int
+) -> tuple[
+    dict[tuple[str, int], tuple[str, Shape]], list[tuple[tuple[str, int], _Unique]], list[str]
+]:
+    """Decide each entry's scope and check that global tensors tile exactly.
+
+    An undeclared replica (digest given) whose holders disagree on the bytes is kept per rank:
+    never silently reduced to one rank's copy.
+    """
+    problems: list[str] = []
+    tensors: dict[tuple[str, int], tuple[str, Shape]] = {}
+    regions: dict[str, list[Region]] = defaultdict(list)
+    scoped: list[tuple[tuple[str, int], _Unique]] = []
+    meta: dict[str, tuple[str, Shape]] = {}
+    for (key, region), u in uniques.items():
+        prev = meta.setdefault(key, (u.dtype, u.shape))
+        if prev != (u.dtype, u.shape):
+            problems.append(
+                f"{key!r}: ranks disagree on dtype/shape ({prev} vs {(u.dtype, u.shape)})"
+            )
+            continue
+        if None not in u.digests and len(u.digests) > 1:
+            for rank, _idx in u.holders():
+                tensors[(key, rank)] = (u.dtype, u.shape)
+                scoped.append(((key, rank), u))
+            continue
+        tensors[(key, GLOBAL)] = (u.dtype, u.shape)
+        regions[key].append(region)
+        scoped.append(((key, GLOBAL), u))
+    checked: dict[tuple[Shape, tuple[Region, ...]], list[str]] = {}
+    for key, rs in regions.items():
+        shape = meta[key][1]
+        if len(rs) == 1 and rs[0].numel == _numel(shape):
+            continue  # the common case: one full region
+        # A model has a handful of distinct layouts over thousands of tensors: check each once.
+        layout = (shape, tuple(sorted(rs, key=_region_order)))
+        found = checked.get(layout)
+        if found is None:
+            found = checked[layout] = tiling_problems(rs, shape, limit=3)
+        for why in found:
+            problems.append(
+                f"{key!r}: the shards all ranks hold together do not tile the tensor: {why}"
+            )
+    return tensors, scoped, problems[:20]
+
+
+def _region_order(result: Region) -> tuple[int, ...]:
+    return (1, result.start) if isinstance(result, Flat) else (0, *result.offsets)
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _balance(replicated: list[_Unique], loads: list[int], out: list[Assignment]) -> None:
+    """Largest first onto the least-loaded holder: each writer ends within one shard of fair."""
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    group_of: dict[int, tuple[int, ...]] = {}  # id of a blob's holder list -> its ranks
+    for u in sorted(replicated, key=lambda u: -u.nbytes):
+        if len(u.sources) == 1:
+            src = u.sources[0][0]
+            ranks = group_of.get(id(src))
+            if ranks is None:
+                ranks = group_of[id(src)] = tuple(sorted({r for r, _ in src}))
+        else:
+            ranks = tuple(sorted({r for r, _ in u.holders()}))
+        heap = heaps.get(ranks)
+        if heap is None:
+            heap = heaps[ranks] = [(loads[r], r) for r in ranks]
+            heapq.heapify(heap)
+        while True:
+            load, r = heapq.heappop(heap)
+            if load == loads[r]:
+                break
+            heapq.heappush(heap, (loads[r], r))  # stale: another group moved this rank
+        out[r].entries.append((u.index_on(r), GLOBAL))
+        loads[r] += u.nbytes
+        heapq.heappush(heap, (loads[r], r))
+
+
+def _assign_values(metas: list[RankMeta], loads: list[int], out: list[Assignment]) -> None:
+    """A value identical on every rank that holds it is stored once (by the least-loaded
+    holder); a value that differs between ranks is stored per rank."""
+    holders: dict[str, list[tuple[int, int, bytes, int]]] = defaultdict(list)
+    for m in metas:
+        for i, (key, _codec, digest, nbytes) in enumerate(m.values):
+            holders[key].append((m.rank, i, digest, nbytes))
+    for _key, hs in holders.items():
+        if len({d for _, _, d, _ in hs}) == 1:
+            rank, i, _, nbytes = min(hs, key=lambda h: (loads[h[0]], h[0]))
+            out[rank].values.append((i, GLOBAL))
+            loads[rank] += nbytes
+        else:
+            for rank, i, _, nbytes in hs:
+                out[rank].values.append((i, rank))
+                loads[rank] += nbytes

@@ -1,0 +1,342 @@
+"""Loading into a given state: match keys, plan ranged reads, read and verify, fill in place.
+
+For each tensor the state asks for, the saved shards that meet the local shard are found by a
+sort-and-sweep index (:class:`trainsnap.format.regions.RegionIndex`) and intersected into
+pieces. A piece
+contiguous on both sides is read straight into the destination's memory, chunk by chunk; any
+other piece (a column slice, a re-cut flat range) goes through a bounce buffer and one strided
+copy; bounce buffers come from a pool bounded by the read budget and are reused from piece to
+piece (a fresh buffer pays a page fault per page). Destinations that are not CPU-contiguous are
+filled through a contiguous work tensor. Every block read is verified before its bytes are used.
+
+All checks that need no data (missing keys, shapes, dtypes, coverage) run before the first byte
+is read, so a load refused for those reasons leaves the state untouched. A load that fails while
+reading (a corrupt block) leaves the state partially filled: load again, from this snapshot or
+another, before using it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from trainsnap import tunables
+from trainsnap.engine.buffers import BouncePool, tensor_bytes
+from trainsnap.engine.pool import run_all
+from trainsnap.engine.reader import Reader
+from trainsnap.errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
+from trainsnap.format import values
+from trainsnap.format.manifest import Manifest, keys_summary
+from trainsnap.format.regions import Piece, Region, RegionIndex
+from trainsnap.state.capture import Targets, TensorItem, ValueTarget
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger("trainsnap.load")
+
+
+@dataclass(slots=True)
+class _Dest:
+    item: TensorItem
+    work: torch.Tensor
+    """Contiguous CPU tensor the reads fill: the destination itself when possible."""
+    direct: bool
+    itemsize: int
+
+
+def _dest(item: TensorItem) -> _Dest:
+    t = item.local.detach()
+    direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
+    return _Dest(item, work, direct, t.element_size())
+
+
+def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) -> None:
+    """Per-rank entries (saved by each rank, different on each) map rank r to rank r, and only
+    on the world size that saved them: any other mapping would be a silent wrong value."""
+    if same_world:
+        return
+    bound = [t.key for t in targets.tensors if _rank_scoped(manifest, t.key)]
+    bound += [v.key for v in targets.values if _rank_scoped(manifest, v.key, value=True)]
+    if bound:
+        world = manifest.topology.get("world_size")
+        raise IncompatibleError(
+            f"snapshot {manifest.snapshot_id} holds per-rank state for {keys_summary(bound)}, "
+            "saved by "
+            f"{world} ranks with different contents on each; it maps only to the same number of "
+            "ranks (rank r restores rank r). Load on that many ranks, or leave these keys out of "
+            "the state (and re-derive them), or make them identical on every rank so they are "
+            "stored once.",
+            snapshot_id=manifest.snapshot_id,
+            key=bound[0],
+        )
+
+
+def _rank_scoped(manifest: Manifest, key: str, value: bool = False) -> bool:
+    idx = manifest.value_index() if value else manifest.tensor_index()
+    return (key, -1) not in idx and any((key, r) in idx for r in range(_world(manifest)))
+
+
+def _world(manifest: Manifest) -> int:
+    w = manifest.topology.get("world_size", 1)
+    return w if isinstance(w, int) and 0 < w < 1 << 20 else 1
+
+
+def match(
+    manifest: Manifest, targets: Targets, rank: int, same_world: bool = True
+) -> list[tuple[_Dest, int]]:
+    """Pair each target tensor with its saved tensor; refuse (before reading anything) keys the
+    snapshot lacks, per-rank state on another world size, and shapes or dtypes that differ."""
+    _check_rank_bound(manifest, targets, same_world)
+    missing: list[str] = []
+    problems: list[tuple[str, str]] = []
+    pairs = []
+    for item in targets.tensors:
+        t = manifest.find_tensor(item.key, rank)
+        if t is None:
+            missing.append(item.key)
+            continue
+        saved_dtype, want = manifest.tensor_dtypes[t], values.dtype_name(item.local.dtype)
+        if saved_dtype != want:
+            problems.append((item.key, f"saved as {saved_dtype}, the state holds {want}"))
+        if manifest.tensor_shapes[t] != item.global_shape:
+            problems.append(
+                (
+                    item.key,
+                    f"saved with shape {list(manifest.tensor_shapes[t])}, "
+                    f"the state holds {list(item.global_shape)}",
+                )
+            )
+        pairs.append((_dest(item), t))
+    for v in targets.values:
+        if manifest.find_value(v.key, rank) is None:
+            missing.append(v.key)
+    if missing:
+        raise NotFoundError(
+            f"snapshot {manifest.snapshot_id} lacks {len(missing)} key(s) the state asks for: "
+            f"{keys_summary(missing)}. Load into a state that matches the one saved, or remove "
+            "those keys from the state you load into.",
+            snapshot_id=manifest.snapshot_id,
+            key=missing[0],
+        )
+    if problems:
+        raise IncompatibleError(
+            f"snapshot {manifest.snapshot_id} does not fit the state: the tensors differ. "
+            "Build the "
+            "state with the model and optimizer configuration that was saved.",
+            snapshot_id=manifest.snapshot_id,
+            key=problems[0][0],
+            problems=[f"{k!r}: {why}" for k, why in problems],
+        )
+    return pairs
+
+
+@dataclass(slots=True)
+class _Direct:
+    """Bytes ``[start, stop)`` of object ``o`` go straight to ``out`` (destination memory)."""
+
+    o: int
+    start: int
+    stop: int
+    out: memoryview
+    key: str
+
+
+def _strided_copy(buf: memoryview, part: Piece, low: int, work: torch.Tensor) -> None:
+    """Copy a piece from a bounce buffer holding source elements ``[lo, ...)`` into ``work``.
+    Every tensor viewing ``buf`` dies with this frame, so the buffer can be unmapped after."""
+    src = torch.frombuffer(buf, dtype=torch.uint8).view(work.dtype)
+    src = src.as_strided(part.sizes, part.src_strides, part.src_offset - low)
+    dst = work.as_strided(part.sizes, part.dst_strides, work.storage_offset() + part.dst_offset)
+    dst.copy_(src)
+
+
+def _piece_tasks(
+    reader: Reader,
+    dest: _Dest,
+    shard: int,
+    piece: Piece,
+    pool: BouncePool,
+    max_elems: int,
+    direct: list[_Direct],
+) -> list[Callable[[], None]]:
+    """Tasks for one piece: contiguous pieces are only recorded in ``direct`` (scheduled
+    together by :func:`_direct_tasks`); other pieces get bounce-buffer tasks."""
+    isz, key = dest.itemsize, dest.item.key
+    if dest.direct and piece.src_contiguous and piece.dst_contiguous:
+        out = tensor_bytes(dest.work)
+        src0, dst0, n = piece.src_offset * isz, piece.dst_offset * isz, piece.numel * isz
+        for o, oo, po, length in reader.payload_runs(shard, src0, src0 + n):
+            lo = dst0 + po - src0
+            direct.append(_Direct(o, oo, oo + length, out[lo : lo + length], key))
+        return []
+
+    def bounce(part: Piece) -> None:
+        lo, hi = part.src_span()
+        with pool.buffer((hi - lo) * isz) as buf:
+            reader.read_payload(shard, lo * isz, hi * isz, buf, key)
+            _strided_copy(buf, part, lo, dest.work)
+
+    return [partial(bounce, p) for p in piece.split(max_elems)]
+
+
+_COALESCE_MAX = 8 << 20
+"""Largest run of small direct reads served by one read (bytes)."""
+
+
+def _direct_tasks(
+    reader: Reader, reads: list[_Direct], pool: BouncePool
+) -> list[Callable[[], None]]:
+    """Large direct reads become one task each (read straight into the destination); small
+    ones are grouped per object into runs, each read and verified once."""
+    bs = reader.m.block_size
+    tasks: list[Callable[[], None]] = []
+    small: dict[int, list[_Direct]] = {}
+    for r in reads:
+        if r.stop - r.start >= bs:
+            tasks.append(partial(reader.read_object, r.o, r.start, r.stop, r.out, r.key))
+        else:
+            small.setdefault(r.o, []).append(r)
+    for o, rs in small.items():
+        rs.sort(key=lambda r: r.start)
+        run: list[_Direct] = []
+        for r in rs:
+            if run and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX):
+                tasks.append(partial(_scatter, reader, o, run, pool))
+                run = []
+            run.append(r)
+        tasks.append(partial(_scatter, reader, o, run, pool))
+    return tasks
+
+
+def _scatter(reader: Reader, obj: int, run: list[_Direct], pool: BouncePool) -> None:
+    reader.read_scatter(obj, [(r.start, r.stop, r.out) for r in run], run[0].key, pool)
+
+
+def _overlaps(
+    manifest: Manifest,
+    tensor_index: int,
+    region: Region,
+    indexes: dict[int, tuple[list[int], RegionIndex]],
+) -> list[tuple[int, list[Piece]]]:
+    """(shard row, pieces) of saved tensor ``ti`` that meet ``region``."""
+    ss = manifest.shard_start()
+    lo, hi = int(ss[tensor_index]), int(ss[tensor_index + 1])
+    if hi - lo == 1 and tensor_index not in indexes:
+        # The common case of an unchanged topology: one saved shard, the one asked for.
+        saved = manifest.shard_region(lo, manifest.tensor_shapes[tensor_index])
+        if saved == region:
+            n = region.numel
+            return [(lo, [Piece((n,), 0, (1,), 0, (1,))])] if n else []
+    if tensor_index not in indexes:
+        shards = manifest.tensor_shards(tensor_index)
+        indexes[tensor_index] = (
+            [s for s, _ in shards],
+            RegionIndex([r for _, r in shards], manifest.tensor_shapes[tensor_index]),
+        )
+    ids, index = indexes[tensor_index]
+    return [(ids[i], ps) for i, ps in index.overlapping(region)]
+
+
+def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -> None:
+    """Read every destination's elements; each destination gets every element exactly once."""
+    t = tunables.get()
+    m = reader.m
+    pool = BouncePool(t.read_budget)
+    tasks: list[Callable[[], None]] = []
+    direct: list[_Direct] = []
+    indexes: dict[int, tuple[list[int], RegionIndex]] = {}
+    for dest, ti in pairs:
+        found = _overlaps(m, ti, dest.item.region, indexes)
+        covered = sum(p.numel for _, ps in found for p in ps)
+        if covered != dest.item.region.numel:
+            raise CorruptError(
+                f"snapshot {m.snapshot_id}: the saved shards of {dest.item.key!r} cover {covered} "
+                f"of the {dest.item.region.numel} elements this rank needs (shards overlap or "
+                "leave a gap); the manifest is inconsistent",
+                snapshot_id=m.snapshot_id,
+                key=dest.item.key,
+            )
+        max_elems = max(1, min(t.read_budget // 4, 64 << 20) // dest.itemsize)
+        for i, ps in found:
+            for p in ps:
+                tasks += _piece_tasks(reader, dest, i, p, pool, max_elems, direct)
+    try:
+        run_all(_direct_tasks(reader, direct, pool) + tasks, threads)
+    finally:
+        pool.close()
+    for dest, _ in pairs:
+        if not dest.direct:
+            with torch.no_grad():
+                dest.item.local.copy_(dest.work)
+
+
+def read_values(
+    reader: Reader, manifest: Manifest, targets: Targets, rank: int, *, allow_pickle: bool
+) -> list[tuple[ValueTarget, Any]]:
+    """Read, verify and decode every value the state asks for (nothing is assigned yet)."""
+    base = manifest.value_chunk_base()
+    decoded = []
+    for v in targets.values:
+        vi = manifest.find_value(v.key, rank)
+        assert vi is not None  # match() checked
+        n = reader.payload_size(base + vi)
+        buf = bytearray(n)
+        reader.read_payload(base + vi, 0, n, memoryview(buf), v.key)
+        value = values.decode(
+            manifest.value_codecs[vi],
+            bytes(buf),
+            v.key,
+            allow_pickle=allow_pickle,
+            snapshot_id=manifest.snapshot_id,
+        )
+        decoded.append((v, value))
+    return decoded
+
+
+def read_value(storage: Storage, manifest: Manifest, key: str, rank: int) -> Any:
+    """One value of a snapshot, verified and decoded (JSON only)."""
+    vi = manifest.find_value(key, rank)
+    if vi is None:
+        raise NotFoundError(f"snapshot {manifest.snapshot_id} has no value {key!r}", key=key)
+    reader = Reader(storage, manifest)
+    owner = manifest.value_chunk_base() + vi
+    n = reader.payload_size(owner)
+    buf = bytearray(n)
+    reader.read_payload(owner, 0, n, memoryview(buf), key)
+    return values.decode(
+        manifest.value_codecs[vi],
+        bytes(buf),
+        key,
+        allow_pickle=False,
+        snapshot_id=manifest.snapshot_id,
+    )
+
+
+def fill(
+    storage: Storage,
+    manifest: Manifest,
+    targets: Targets,
+    rank: int,
+    *,
+    allow_pickle: bool,
+    same_world: bool = True,
+) -> Reader:
+    """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
+    loaded refuses the load before any tensor is touched), then tensors, then values are put in
+    their containers and stateful objects get their state dicts back."""
+    pairs = match(manifest, targets, rank, same_world)
+    reader = Reader(storage, manifest)
+    values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)
+    load_tensors(reader, pairs, tunables.get().io_threads)
+    for v, value in values:
+        if v.container is None:
+            raise InvalidArgumentError(f"nowhere to put the value {v.key!r}", key=v.key)
+        v.container[v.index] = value
+    for finish in targets.finishers:
+        finish()
+    return reader

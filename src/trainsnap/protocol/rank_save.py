@@ -1,0 +1,232 @@
+"""One rank's part of a save: describe what it holds, stage it, write what it was assigned.
+
+The protocol around these steps (agreement, plan, commit) is in
+:mod:`trainsnap.protocol.save_protocol`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from trainsnap import tunables
+from trainsnap.engine.buffers import gather, tensor_bytes
+from trainsnap.engine.pool import run_all
+from trainsnap.engine.writer import WrittenObject, write_object
+from trainsnap.errors import InvalidArgumentError, TrainsnapError
+from trainsnap.format import compression, values
+from trainsnap.format.checksums import Hasher
+from trainsnap.format.layout import layout_objects
+from trainsnap.format.manifest import LEVELS, STATE_KINDS
+from trainsnap.protocol.planner import Assignment, Entry, RankMeta, Value
+from trainsnap.state.capture import Captured, TensorItem, capture
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger("trainsnap.save")
+
+
+@dataclass(slots=True, kw_only=True)
+class SaveRequest:
+    """What a save records beyond the state itself."""
+
+    step: int
+    level: str = "strict"
+    """The resume level this snapshot can give (what the state held)."""
+    tokens_seen: int | None = None
+    samples_seen: int | None = None
+    data_cursor: Any = None
+    state_kinds: Mapping[str, bool] = field(default_factory=dict)
+    user_versions: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    allow_pickle: bool = False
+    checksum: str = "xxh3-128"
+    compression: str | Mapping[str, str | None] | None = None
+    """Lossless compression of tensor data: None, "zstd" or "bytegroup+zstd", for everything or
+    per top-level key (``{"optim": "bytegroup+zstd"}``). Values are never compressed."""
+    chunk_size: int | None = None
+    """Object size for large tensors (default: the ``chunk_size`` tunable). Smaller chunks make
+    incremental snapshots finer-grained (an unchanged chunk is referenced, not rewritten) at the
+    cost of more objects."""
+    fence: Callable[[], None] | None = None
+    """Raises when this writer may no longer commit (see :mod:`trainsnap.manager.lease`)."""
+    on_commit: Callable[[Any, int], None] | None = None
+    """Called on the coordinator with the manifest and the bytes written once committed
+    (restart log, retention, collection)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {self.step!r}")
+        if self.level not in LEVELS:
+            raise InvalidArgumentError(f"level must be one of {LEVELS}, got {self.level!r}")
+        settings = (
+            self.compression.values()
+            if isinstance(self.compression, Mapping)
+            else [self.compression]
+        )
+        for setting in settings:
+            try:
+                compression.codec_for(setting, 4)
+            except TrainsnapError as e:
+                raise InvalidArgumentError(e.message) from None
+        unknown = set(self.state_kinds) - set(STATE_KINDS)
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown state kinds {sorted(unknown)}; known {STATE_KINDS}"
+            )
+
+
+def stage_tensor(tensor: TensorItem) -> tuple[memoryview, torch.Tensor]:
+    """The bytes of a tensor entry and what keeps them alive. A CPU-contiguous tensor is used in
+    place (a synchronous save copies nothing); others are copied to contiguous host memory."""
+    x = tensor.local.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.device.type != "cpu":
+        x = x.to("cpu")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return tensor_bytes(x), x
+
+
+@dataclass(slots=True)
+class Local:
+    """What this rank holds, described for the plan and ready to write."""
+
+    captured: Captured
+    entries: list[Entry]
+    values: list[Value]
+    value_bytes: list[bytes]
+    staged: dict[int, tuple[memoryview, torch.Tensor]] = field(default_factory=dict)
+    chunk_size: int | None = None
+    compression: str | Mapping[str, str | None] | None = None
+
+    def codec(self, index: int) -> str:
+        """The object codec of tensor entry ``i``."""
+        setting = self.compression
+        if isinstance(setting, Mapping):
+            setting = setting.get(self.entries[index][0].split(".", 1)[0])
+        return compression.codec_for(setting, self.captured.tensors[index].local.element_size())
+
+    def payload(self, index: int) -> memoryview:
+        if index not in self.staged:
+            self.staged[index] = stage_tensor(self.captured.tensors[index])
+        return self.staged[index][0]
+
+    def meta(self, rank: int, step: int) -> RankMeta:
+        return RankMeta.pack(rank, step, self.entries, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e[4] for e in self.entries) + sum(len(b) for b in self.value_bytes)
+
+
+def describe(state: Any, opts: SaveRequest, hasher: Hasher, *, replica_digests: bool) -> Local:
+    """Capture the state and describe it. Values are encoded here and unsupported dtypes refused,
+    so a state that cannot be saved fails before anything is written. With several ranks, plain
+    tensors are hashed so the plan can tell true replicas from per-rank tensors."""
+    cap = capture(state)
+    local = Local(cap, [], [], [], chunk_size=opts.chunk_size, compression=opts.compression)
+    sizes = [t.region.numel * t.local.element_size() for t in cap.tensors]
+    digests: dict[int, bytes] = {}
+    if replica_digests:
+        plain = [i for i, t in enumerate(cap.tensors) if not t.declared]
+        digests = dict(zip(plain, _digests(local, plain, sizes, hasher), strict=True))
+    for i, t in enumerate(cap.tensors):
+        dtype = values.dtype_name(t.local.dtype)
+        entry = (t.key, dtype, t.global_shape, t.region, sizes[i], digests.get(i))
+        local.entries.append(entry)
+    for v in cap.values:
+        c, data = values.encode(v.value, v.key, allow_pickle=opts.allow_pickle)
+        local.value_bytes.append(data)
+        local.values.append((v.key, c, hasher.digest(data), len(data)))
+    return local
+
+
+_HASH_BATCH = 8 << 20
+"""Bytes of payloads hashed per task when plain tensors are hashed to find replicas."""
+
+
+def _digests(local: Local, which: list[int], sizes: list[int], hasher: Hasher) -> list[bytes]:
+    """Digests of the payloads of tensor entries ``which``, in order, hashed on the I/O threads
+    in batches of a few MiB (the hash releases the GIL): this is in the pause of a save."""
+    batches: list[list[int]] = [[]]
+    size = 0
+    for i in which:
+        if size >= _HASH_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += sizes[i]
+
+    def digest(batch: list[int]) -> list[bytes]:
+        return [hasher.digest(local.payload(i)) for i in batch]
+
+    done = run_all([partial(digest, b) for b in batches if b], tunables.get().io_threads)
+    return [d for ds in done for d in ds]
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+Chunks = list[tuple[int, int, int]]
+"""(object index in the report, offset in the object, length) per chunk of one payload."""
+
+
+@dataclass(slots=True)
+class WriteReport:
+    """What one rank wrote, for the coordinator's manifest (or why it failed)."""
+
+    objects: list[tuple[str, int, bytes, str, int, tuple[int, ...], bytes]] = field(
+        default_factory=list
+    )
+    """(name, size, digests, codec, stored size, frame sizes, decoded digests) per object."""
+    entries: list[tuple[int, int, Chunks]] = field(default_factory=list)
+    """(entry index, scope, chunks) of each tensor entry written."""
+    values: list[tuple[int, int, Chunks]] = field(default_factory=list)
+    """(value index, scope, chunks) of each value written."""
+    bytes_new: int = 0
+    """Bytes actually written (objects already stored are referenced, not rewritten)."""
+    error: str | None = None
+
+
+def write_assigned(
+    storage: Storage, hasher: Hasher, local: Local, assignment: Assignment
+) -> WriteReport:
+    """Write this rank's assigned entries and values as objects; report their chunks."""
+    payloads: list[memoryview] = [local.payload(i) for i, _ in assignment.entries]
+    payloads += [memoryview(local.value_bytes[i]) for i, _ in assignment.values]
+    codecs = [local.codec(i) for i, _ in assignment.entries]
+    codecs += ["raw"] * len(assignment.values)
+    t = tunables.get()
+    chunk = local.chunk_size or t.chunk_size
+    layout = layout_objects(
+        [len(p) for p in payloads],
+        chunk_size=chunk,
+        pack_threshold=min(t.pack_threshold, chunk),
+        codecs=codecs,
+    )
+
+    def task(index: int) -> WrittenObject:
+        obj = layout.objects[index]
+        parts = [payloads[p][off : off + n] for p, off, n in obj.parts]
+        return write_object(storage, hasher, gather(parts, obj.size), obj.codec)
+
+    batch = getattr(storage, "deferred_dir_sync", None)
+    with batch() if batch is not None else contextlib.nullcontext():
+        written = run_all([partial(task, i) for i in range(len(layout.objects))], t.io_threads)
+    report = WriteReport(objects=[w.manifest_row() for w in written])
+    report.bytes_new = sum(w.manifest_row()[4] for w in written if w.written)  # stored bytes
+    n = len(assignment.entries)
+    for j, (i, scope) in enumerate(assignment.entries):
+        report.entries.append((i, scope, layout.chunks[j]))
+    for j, (i, scope) in enumerate(assignment.values):
+        report.values.append((i, scope, layout.chunks[n + j]))
+    return report

@@ -1,0 +1,336 @@
+"""The save protocol across ranks (one process is the case of a world of one).
+
+Every rank calls :func:`run_save` (or :func:`prepare_save`, then :func:`finish_save` on any
+thread, for an asynchronous save):
+
+1. (all ranks) capture the state and describe it: tensor entries (key, dtype, global shape,
+   region, size), values (encoded), digests of plain tensors that may be replicas.
+2. (coordinator) gather the descriptions and plan: same step everywhere, same dtype and shape
+   per key, shards that tile every tensor, replicas written once by balanced writers, values
+   identical everywhere stored once. A refusal reaches every rank and nothing is written.
+3. (all ranks) stage and write the assigned payloads as content-addressed objects; report them
+   (or the error). No collective on the training process group: the control plane is the
+   rendezvous store (:mod:`trainsnap.protocol.control_plane`).
+4. (coordinator) gather the reports. A rank that failed, died or went silent means no commit;
+   otherwise assemble the manifest and commit it (manifest, then marker:
+   :mod:`trainsnap.protocol.commit`).
+5. (all ranks) learn the outcome: the snapshot, or one error listing every failing rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainsnap import trace, tunables
+from trainsnap.engine.staging import BudgetExceeded, Lease, StagingPool
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
+from trainsnap.format.checksums import Hasher
+from trainsnap.format.manifest import Manifest
+from trainsnap.protocol import commit
+from trainsnap.protocol.assemble import assemble
+from trainsnap.protocol.control_plane import Comm, PeerLost, Session
+from trainsnap.protocol.outcome import Outcome, describe_error
+from trainsnap.protocol.planner import Assignment, RankMeta, SavePlan, plan_local, plan_save
+from trainsnap.protocol.rank_save import Local, SaveRequest, WriteReport, describe, write_assigned
+from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger("trainsnap.save")
+load_log = logging.getLogger("trainsnap.load")
+
+
+def _refusal(problems: list[str]) -> TrainsnapError:
+    return InvalidArgumentError(
+        "the save was refused before anything was written: the ranks' states do not make one "
+        "consistent snapshot",
+        problems=problems,
+    )
+
+
+@dataclass(slots=True)
+class SaveResult:
+    manifest: Manifest | None
+    outcome: Outcome
+    bytes_new: int
+    seconds: float
+    pause: float = 0.0
+    """Seconds the caller was blocked (the whole save when synchronous)."""
+
+    def info(self, root: str) -> SnapshotInfo:
+        """The committed snapshot, as the public API returns it."""
+        if self.manifest is not None:
+            return SnapshotInfo.from_manifest(self.manifest, root)
+        return SnapshotInfo.from_summary(
+            self.outcome.snapshot_id, self.outcome.manifest_summary, root
+        )
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """A save past its agreement and plan (and, when asynchronous, its staging): what is left
+    is writing and committing, which :func:`finish_save` does, on any thread."""
+
+    storage: Storage
+    opts: SaveRequest
+    comm: Comm
+    session: Session
+    hasher: Hasher
+    local: Local
+    assignment: Assignment
+    metas: list[RankMeta] | None
+    plan: SavePlan | None
+    mesh: dict[str, int]
+    t0: float
+    pause: float = 0.0
+    lease: Lease | None = None
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.assignment.snapshot_id
+
+
+def run_save(state: Any, storage: Storage, opts: SaveRequest, comm: Comm) -> SaveResult:
+    """A synchronous save: every step on the calling thread."""
+    return finish_save(prepare_save(state, storage, opts, comm, pool=None))
+
+
+def prepare_save(
+    state: Any, storage: Storage, opts: SaveRequest, comm: Comm, pool: StagingPool | None
+) -> PendingSave:
+    """Steps 1 and 2, then staging into ``pool`` when given (an asynchronous save): once this
+    returns, the caller may change its tensors."""
+    t0 = time.perf_counter()
+    hasher = Hasher(opts.checksum, tunables.get().block_size)
+    session = comm.session("save")
+    try:
+        pending = _agree(state, storage, opts, comm, session, hasher, t0)
+        if pool is not None:
+            with trace.span("stage", step=opts.step) as ev:
+                pending.lease = _stage(pending, pool)
+                ev["bytes"] = pending.lease.nbytes if pending.lease else 0
+        pending.pause = time.perf_counter() - t0
+        return pending
+    except BaseException:
+        session.close()
+        raise
+
+
+def _agree(
+    state: Any,
+    storage: Storage,
+    opts: SaveRequest,
+    comm: Comm,
+    session: Session,
+    hasher: Hasher,
+    t0: float,
+) -> PendingSave:
+    # 1. (all ranks) describe
+    local: Local | None = None
+    with trace.span("capture", step=opts.step):
+        try:
+            local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
+            meta = local.meta(comm.rank, opts.step) if comm.world_size > 1 else None
+            mesh = local.captured.mesh
+        except TrainsnapError as e:
+            if comm.world_size == 1:
+                raise
+            meta, mesh = RankMeta(comm.rank, opts.step, error=describe_error(e)), {}
+    # 2. (coordinator) plan
+    with trace.span("plan", step=opts.step):
+        sid = commit.new_snapshot_id(opts.step)
+        if comm.world_size == 1:
+            assert local is not None
+            single = plan_local(local.entries, local.values, opts.step, sid)
+            if single.problems:
+                raise _refusal(single.problems)
+            return PendingSave(
+                storage,
+                opts,
+                comm,
+                session,
+                hasher,
+                local,
+                single.assignments[0],
+                single.metas,
+                single,
+                mesh,
+                t0,
+            )
+        metas = session.gather("meta", meta)
+        assignments: list[Assignment] | None = None
+        plan: SavePlan | None = None
+        if comm.is_coordinator:
+            assert metas is not None
+            try:
+                plan = plan_save(metas, sid)
+            except Exception as e:  # a planner bug must not leave the other ranks waiting
+                log.exception("planning snapshot %s failed", sid)
+                why = [f"planner: {describe_error(e)}"]
+                plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
+            assignments = plan.assignments
+        assignment: Assignment = session.scatter("plan", assignments)
+    if assignment.problems:
+        raise _refusal(assignment.problems)
+    assert local is not None
+    return PendingSave(
+        storage, opts, comm, session, hasher, local, assignment, metas, plan, mesh, t0
+    )
+
+
+def _stage(pending: PendingSave, pool: StagingPool) -> Lease | None:
+    """Copy what this rank writes into pool buffers. Values are already bytes of their own.
+    A save larger than the pool's budget is not staged: it will be written synchronously."""
+    tensors = pending.local.captured.tensors
+    sizes = [pending.local.entries[i][4] for i, _ in pending.assignment.entries]
+    try:
+        pool.check_fits(sizes)
+    except BudgetExceeded as e:
+        log.warning("snapshot %s is saved synchronously: %s", pending.snapshot_id, e)
+        return None
+    lease = Lease()
+    try:
+        which = [i for i, _scope in pending.assignment.entries]
+        views = pool.stage_many([tensors[i].local for i in which], lease)
+        for i, view in zip(which, views, strict=True):
+            pending.local.staged[i] = (view, tensors[i].local)
+    except BaseException:
+        pool.release(lease)
+        raise
+    return lease
+
+
+def finish_save(pending: PendingSave) -> SaveResult:
+    """Steps 3 to 5: write, report, commit, learn the outcome. Closes the session."""
+    try:
+        return _finish(pending)
+    finally:
+        pending.session.close()
+
+
+def _finish(pending: PendingSave) -> SaveResult:
+    comm, opts, sid = pending.comm, pending.opts, pending.snapshot_id
+    if pending.lease is not None:
+        pending.lease.wait_copies()
+    # 3. (all ranks) write
+    with trace.span("write", step=opts.step) as ev:
+        try:
+            report = write_assigned(
+                pending.storage, pending.hasher, pending.local, pending.assignment
+            )
+            ev["bytes"] = report.bytes_new
+        except Exception as e:  # reported to the coordinator, raised everywhere below
+            if comm.world_size == 1:
+                raise CommitFailedError(
+                    f"save of step {opts.step} failed while writing: {describe_error(e)}; "
+                    "nothing was committed",
+                    snapshot_id=sid,
+                    rank_errors={0: describe_error(e)},
+                ) from e
+            report = WriteReport(error=describe_error(e))
+    # 4. (coordinator) gather reports, commit
+    with trace.span("commit", step=opts.step):
+        outcome = Outcome(snapshot_id=sid)
+        manifest = None
+        if comm.is_coordinator:
+            assert pending.metas is not None and pending.plan is not None
+            manifest, outcome = _commit(
+                pending.storage,
+                opts,
+                pending.hasher,
+                pending.session,
+                pending.metas,
+                pending.plan,
+                report,
+                pending.mesh,
+                comm,
+            )
+            pending.session.broadcast("outcome", outcome)
+        else:
+            try:
+                pending.session.gather("report", report)
+                outcome = pending.session.broadcast("outcome")
+            except PeerLost as e:
+                outcome = _outcome_without_coordinator(pending.storage, sid, e)
+    # 5. (all ranks) learn the outcome
+    if not outcome.ok:
+        raise CommitFailedError(
+            f"save of step {opts.step} (snapshot {sid}) was not committed: "
+            f"{len(outcome.rank_errors)} rank(s) failed; the previous snapshots are untouched",
+            snapshot_id=sid,
+            rank_errors=outcome.rank_errors,
+        )
+    dt = time.perf_counter() - pending.t0
+    pause = pending.pause if pending.lease is not None else dt
+    if comm.is_coordinator:
+        s = outcome.manifest_summary
+        referenced, new = int(s["nbytes"]), int(s["bytes_new"])
+        log.info(
+            "saved snapshot %s step=%d bytes=%d written=%d reused=%d dedup=%.1f%% ranks=%d "
+            "pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
+            sid,
+            opts.step,
+            referenced,
+            new,
+            referenced - new,
+            100.0 * (referenced - new) / max(referenced, 1),
+            comm.world_size,
+            pause,
+            dt - pause,
+            dt,
+            referenced / max(dt, 1e-9) / 1e6,
+            pending.storage.url,
+        )
+    if manifest is not None and opts.on_commit is not None:
+        try:
+            opts.on_commit(manifest, int(outcome.manifest_summary.get("bytes_new", 0)))
+        except Exception:  # housekeeping must not turn a committed save into a failure
+            log.exception("post-commit housekeeping of snapshot %s failed", sid)
+    return SaveResult(manifest, outcome, report.bytes_new, dt, pause)
+
+
+def _commit(
+    storage: Storage,
+    opts: SaveRequest,
+    hasher: Hasher,
+    session: Session,
+    metas: list[RankMeta],
+    plan: SavePlan,
+    report: WriteReport,
+    mesh: dict[str, int],
+    comm: Comm,
+) -> tuple[Manifest | None, Outcome]:
+    """Step 4 (coordinator): every report in, or no commit."""
+    sid = plan.assignments[0].snapshot_id
+    try:
+        reports: list[WriteReport] = session.gather("report", report) or []
+    except PeerLost as e:
+        return None, Outcome(sid, rank_errors=e.ranks)
+    errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
+    if errors:
+        return None, Outcome(sid, rank_errors=errors)
+    topology = {"world_size": comm.world_size, "coordinator": comm.coordinator, "mesh": mesh}
+    try:
+        manifest = assemble(sid, opts, hasher, metas, plan, reports, topology)
+        commit.write_commit(
+            storage, manifest, writer={"world_size": comm.world_size}, fence=opts.fence
+        )
+    except Exception as e:
+        log.exception("commit of snapshot %s failed", sid)
+        return None, Outcome(sid, rank_errors={comm.rank: f"commit: {describe_error(e)}"})
+    new = sum(r.bytes_new for r in reports)
+    return manifest, Outcome(sid, manifest_summary={**manifest.summary(), "bytes_new": new})
+
+
+def _outcome_without_coordinator(storage: Storage, sid: str, error: PeerLost) -> Outcome:
+    """The coordinator went silent after we reported. If its marker exists the snapshot is
+    committed (it died after committing); otherwise it is not, and never will be."""
+    try:
+        marker = commit.committed_marker(storage, sid)
+    except TrainsnapError:
+        return Outcome(
+            sid, rank_errors={r: f"coordinator: {why}" for r, why in error.ranks.items()}
+        )
+    return Outcome(sid, manifest_summary={**marker.summary, "bytes_new": 0})

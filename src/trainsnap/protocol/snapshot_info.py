@@ -1,0 +1,63 @@
+"""What a user sees of a committed snapshot: :class:`SnapshotInfo`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from trainsnap.format.manifest import Manifest
+from trainsnap.format.marker import Marker
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A committed snapshot, as listed, saved or loaded.
+
+    ``level`` is what the snapshot offers when listed or saved, and what was reached when
+    returned by a load. ``nbytes`` is the bytes its objects occupy.
+    """
+
+    id: str
+    step: int
+    created: datetime
+    level: str
+    nbytes: int
+    root: str
+    tokens_seen: int | None = None
+
+    @staticmethod
+    def from_manifest(manifest: Manifest, root: str, level: str | None = None) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=manifest.snapshot_id,
+            step=manifest.step,
+            created=_parse_time(manifest.created),
+            level=level or manifest.level,
+            nbytes=manifest.nbytes,
+            root=root,
+            tokens_seen=manifest.tokens_seen,
+        )
+
+    @staticmethod
+    def from_marker(marker: Marker, root: str) -> SnapshotInfo:
+        return SnapshotInfo.from_summary(marker.snapshot_id, marker.summary, root)
+
+    @staticmethod
+    def from_summary(snapshot_id: str, summary: Mapping[str, Any], root: str) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=snapshot_id,
+            step=int(summary.get("step", -1)),
+            created=_parse_time(str(summary.get("created", ""))),
+            level=str(summary.get("level", "weights")),
+            nbytes=int(summary.get("nbytes", 0)),
+            root=root,
+            tokens_seen=summary.get("tokens_seen"),
+        )
+
+
+def _parse_time(text: str) -> datetime:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.fromtimestamp(0).astimezone()

@@ -1,0 +1,318 @@
+"""From user state to entries, and back.
+
+Saving walks the state and yields one :class:`TensorItem` per tensor leaf and one
+:class:`ValueItem` per plain leaf, keyed by the dotted path of dict keys and list indices
+(``model.layers.0.weight``, ``optimizer.param_groups``). Objects with ``state_dict()`` and
+``load_state_dict()`` are walked through their state dict. Dicts are always walked; a list or
+tuple is walked when it holds a tensor somewhere and is a plain value otherwise.
+
+Loading walks the *given* state the same way and yields targets: tensors to fill in place and
+containers to put plain values into; after filling, each stateful object gets its state dict
+back through ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass, field
+from functools import cache, partial
+from typing import Any
+
+import torch
+
+from trainsnap.errors import InvalidArgumentError
+from trainsnap.format.regions import Box, Flat, Region, Shape
+
+GLOBAL = -1
+"""Rank scope of an entry that is the same for every rank (stored once)."""
+
+
+class Sharded:
+    """A local piece of a logical tensor that the caller lays out by hand.
+
+    ``Sharded(local, global_shape=(8192, 4096), offsets=(2048, 0))`` is a box (a Megatron TP
+    slice, a pipeline stage's layer, an expert by its global id); ``Sharded.flat(buf,
+    global_shape=(8192, 4096), start=n)`` is a flat range of the row-major flattening (a ZeRO or
+    distributed-optimizer buffer). Loading fills ``local`` in place.
+    """
+
+    __slots__ = ("global_shape", "local", "region")
+
+    def __init__(
+        self,
+        local: torch.Tensor,
+        *,
+        global_shape: tuple[int, ...] | torch.Size,
+        offsets: tuple[int, ...] | None = None,
+        region: Region | None = None,
+    ) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise InvalidArgumentError(f"Sharded needs a tensor, got {type(local).__name__}")
+        self.local = local
+        self.global_shape: Shape = tuple(int(n) for n in global_shape)
+        if region is None:
+            if offsets is None:
+                offsets = (0,) * len(self.global_shape)
+            region = Box(tuple(int(o) for o in offsets), tuple(local.shape))
+        self.region = region
+        if isinstance(region, Box) and tuple(local.shape) != region.sizes:
+            raise InvalidArgumentError(
+                f"Sharded: local shape {tuple(local.shape)} differs from the box sizes "
+                f"{region.sizes}"
+            )
+        if isinstance(region, Flat) and (local.dim() != 1 or local.numel() != region.length):
+            raise InvalidArgumentError(
+                f"Sharded.flat: local must be 1-D with {region.length} elements, "
+                f"got shape {tuple(local.shape)}"
+            )
+        region.check(self.global_shape)
+
+    @classmethod
+    def flat(
+        cls, local: torch.Tensor, *, global_shape: tuple[int, ...] | torch.Size, start: int
+    ) -> Sharded:
+        return cls(local, global_shape=global_shape, region=Flat(int(start), local.numel()))
+
+    def __repr__(self) -> str:
+        return f"Sharded({self.region}, global_shape={self.global_shape}, dtype={self.local.dtype})"
+
+
+@dataclass(slots=True)
+class TensorItem:
+    key: str
+    local: torch.Tensor
+    global_shape: Shape
+    region: Region
+    rank: int = GLOBAL
+    """``GLOBAL`` for part of a logical tensor; a rank number for a rank's own tensor."""
+    declared: bool = False
+    """True when the layout was declared (``DTensor``, :class:`Sharded`): ranks holding the same
+    region hold replicas by declaration. A plain tensor on several ranks is only taken as a
+    replica if its bytes are identical everywhere."""
+
+
+@dataclass(slots=True)
+class ValueItem:
+    key: str
+    value: Any
+    rank: int = GLOBAL
+
+
+@dataclass(slots=True)
+class ValueTarget:
+    key: str
+    container: MutableMapping[Any, Any] | MutableSequence[Any] | None
+    index: Any
+
+
+@dataclass(slots=True)
+class Captured:
+    tensors: list[TensorItem] = field(default_factory=list)
+    values: list[ValueItem] = field(default_factory=list)
+    mesh: dict[str, int] = field(default_factory=dict)
+    """Dimension names and sizes of the device mesh of the state's DTensors, if any."""
+
+
+@dataclass(slots=True)
+class Targets:
+    tensors: list[TensorItem] = field(default_factory=list)
+    values: list[ValueTarget] = field(default_factory=list)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    """Run in order after filling: ``load_state_dict`` of each stateful object, innermost first."""
+
+
+def is_stateful(obj: object) -> bool:
+    return (
+        not isinstance(obj, torch.Tensor | Mapping)
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _has_tensor(obj: object) -> bool:
+    if isinstance(obj, torch.Tensor | Sharded):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_has_tensor(v) for v in obj)
+    return is_stateful(obj)
+
+
+def _join(prefix: str, key: object) -> str:
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise InvalidArgumentError(
+            f"state key {key!r} under {prefix or 'the root'!r} is a {type(key).__name__}; "
+            "keys must be str or int",
+            key=prefix,
+        )
+    part = str(key)
+    if part == "":
+        raise InvalidArgumentError(f"empty key under {prefix or 'the root'!r}", key=prefix)
+    return f"{prefix}.{part}" if prefix else part
+
+
+def _leaf_tensor(key: str, tensor: torch.Tensor) -> TensorItem:
+    if _is_dtensor(tensor):
+        return _dtensor_item(key, tensor)
+    shape = tuple(tensor.shape)
+    return TensorItem(key, tensor, shape, Box.full(shape))
+
+
+@cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch.distributed not built in
+        return None
+    return DTensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def _dtensor_item(key: str, tensor: Any) -> TensorItem:
+    """A DTensor's local shard as a box of its global tensor (``Shard(d)`` and ``Replicate()``
+    in any mix, uneven shards included)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in tensor.placements:
+        if type(p) not in (Shard, Replicate):
+            raise InvalidArgumentError(
+                f"{key!r}: DTensor placement {p} is not supported (only Shard(d) and Replicate()); "
+                "redistribute it, e.g. t.redistribute(placements=[Replicate()]) for Partial",
+                key=key,
+            )
+    shape = tuple(tensor.shape)
+    local = tensor.to_local()
+    sizes, offsets = compute_local_shape_and_global_offset(
+        shape, tensor.device_mesh, tensor.placements
+    )
+    if tuple(sizes) != tuple(local.shape):
+        raise InvalidArgumentError(
+            f"{key!r}: DTensor local shard has shape {tuple(local.shape)}, expected "
+            f"{tuple(sizes)} from its placements",
+            key=key,
+        )
+    return TensorItem(key, local, shape, Box(tuple(offsets), tuple(sizes)), declared=True)
+
+
+def mesh_of(tensor: Any) -> dict[str, int]:
+    """Dimension names and sizes of a DTensor's device mesh (recorded in the manifest)."""
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)}
+
+
+def _walk(
+    obj: Any,
+    key: str,
+    visit: Callable[[str, Any, Any, Any], None],
+    parent: Any,
+    idx: Any,
+    finishers: list[Callable[[], None]] | None,
+) -> None:
+    if isinstance(obj, torch.Tensor | Sharded):
+        visit(key, obj, parent, idx)
+        return
+    if is_stateful(obj):
+        sd = obj.state_dict()
+        if not isinstance(sd, Mapping):
+            raise InvalidArgumentError(
+                f"{key or 'state'}: {type(obj).__name__}.state_dict() returned "
+                f"{type(sd).__name__}, not a mapping",
+                key=key,
+            )
+        _walk_mapping(sd, key, visit, finishers)
+        if finishers is not None:
+            finishers.append(partial(obj.load_state_dict, sd))
+        return
+    if isinstance(obj, Mapping):
+        _walk_mapping(obj, key, visit, finishers)
+        return
+    if isinstance(obj, list | tuple) and _has_tensor(obj):
+        for i, v in enumerate(obj):
+            _walk(v, _join(key, i), visit, obj, i, finishers)
+        return
+    visit(key, obj, parent, idx)
+
+
+def _walk_mapping(
+    manifest: Mapping[Any, Any],
+    key: str,
+    visit: Callable[[str, Any, Any, Any], None],
+    finishers: list[Callable[[], None]] | None,
+) -> None:
+    for k, v in manifest.items():
+        _walk(v, _join(key, k), visit, manifest, k, finishers)
+
+
+def _check_root(state: object) -> None:
+    if not (isinstance(state, Mapping) or is_stateful(state)):
+        raise InvalidArgumentError(
+            f"state must be a mapping (a dict of tensors, values and stateful objects) or an "
+            f"object with state_dict()/load_state_dict(), got {type(state).__name__}"
+        )
+
+
+def capture(state: Any) -> Captured:
+    """The entries of ``state`` for saving."""
+    _check_root(state)
+    out = Captured()
+    seen: set[str] = set()
+
+    def visit(key: str, leaf: Any, _parent: Any, _idx: Any) -> None:
+        if key in seen:
+            raise InvalidArgumentError(
+                f"two entries of the state flatten to the key {key!r} (a dotted key and a nested "
+                "one collide); rename one of them",
+                key=key,
+            )
+        seen.add(key)
+        if isinstance(leaf, Sharded):
+            out.tensors.append(
+                TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
+            )
+        elif isinstance(leaf, torch.Tensor):
+            out.tensors.append(_leaf_tensor(key, leaf))
+            if not out.mesh and _is_dtensor(leaf):
+                out.mesh = mesh_of(leaf)
+        else:
+            out.values.append(ValueItem(key, leaf))
+
+    _walk(state, "", visit, None, None, None)
+    return out
+
+
+def targets(state: Any) -> Targets:
+    """What loading must fill in ``state``."""
+    _check_root(state)
+    out = Targets()
+
+    def visit(key: str, leaf: Any, parent: Any, idx: Any) -> None:
+        if isinstance(leaf, Sharded):
+            out.tensors.append(
+                TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
+            )
+        elif isinstance(leaf, torch.Tensor):
+            out.tensors.append(_leaf_tensor(key, leaf))
+        else:
+            if isinstance(parent, tuple):
+                raise InvalidArgumentError(
+                    f"cannot load the plain value {key!r}: it sits in a tuple, which cannot be "
+                    "changed in place; use a list",
+                    key=key,
+                )
+            out.values.append(ValueTarget(key, parent, idx))
+
+    _walk(state, "", visit, None, None, out.finishers)
+    return out
+
+
+def iter_keys(state: Any) -> Iterator[str]:
+    cap = capture(state)
+    yield from (t.key for t in cap.tensors)
+    yield from (v.key for v in cap.values)

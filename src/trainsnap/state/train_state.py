@@ -1,0 +1,419 @@
+"""The whole training state, and resume levels.
+
+A :class:`TrainState` holds what a training run needs to continue the same trajectory: model,
+optimizer(s), scheduler(s), gradient scaler, data cursor, RNG, extra plain data and, when asked,
+the gradients of an unfinished accumulation. Model and optimizers go through
+``torch.distributed.checkpoint.state_dict`` so that DDP, FSDP2/DTensor and compiled models give
+FQN-keyed, reshardable state and optimizer state keyed by parameter name.
+
+Resume levels say how much of it a restore gives back:
+
+* ``weights``: the model only -- a warm start;
+* ``training``: + optimizer, scheduler, scaler, extra (and pending gradients);
+* ``strict``: + data cursor and RNG, on a topology and versions that let them mean the same.
+
+Strict is refused when the snapshot lacks something the state asks for, when the topology
+changed under per-rank (rank-bound) RNG or data state, or when the model, tokenizer or data
+versions differ; ``allow_downgrade`` continues at the highest level that can be given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainsnap.errors import IncompatibleError, InvalidArgumentError
+from trainsnap.format.manifest import LEVELS, Manifest, level_rank
+from trainsnap.state import rng as rng_mod
+
+log = logging.getLogger("trainsnap.load")
+
+PARTS_BY_LEVEL: dict[str, tuple[str, ...]] = {
+    "weights": ("model",),
+    "training": ("model", "optim", "scheduler", "scaler", "extra", "grads"),
+    "strict": ("model", "optim", "scheduler", "scaler", "extra", "grads", "rng", "data"),
+}
+RANK_BOUND_PARTS = ("rng", "data")
+"""Parts whose per-rank content only means the same on the same ranks."""
+VERSION_KEYS_CHECKED = ("model", "tokenizer", "data")
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, list | tuple) else [x]
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    tree: dict[str, Any]
+    level: str
+    reasons: list[str] = field(default_factory=list)
+    """Why a higher level could not be reached (empty when the asked level was)."""
+
+
+class TrainState:
+    """A training run's whole state, saved and restored as one.
+
+    Args:
+        model: the model (``nn.Module``; DDP, FSDP2 and compiled modules included).
+        optimizer: one optimizer or a list (their parameters must be disjoint).
+        scheduler: one LR scheduler or a list.
+        scaler: a ``torch.amp.GradScaler``.
+        dataloader: the data cursor: a :class:`trainsnap.ElasticSampler`, a torchdata
+            ``StatefulDataLoader``, or anything with ``state_dict``/``load_state_dict``.
+        extra: a dict of plain data and tensors (``tokens_seen``, ``samples_seen``, ...); loads
+            fill it in place.
+        rng: capture the RNG of Python, NumPy, torch CPU and CUDA (per rank).
+        versions: model, tokenizer, code, data, container versions; a change refuses ``strict``.
+        grads: also save the parameters' ``.grad`` (a save in the middle of gradient
+            accumulation; keep the micro-batch index in ``extra``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        dataloader: Any = None,
+        extra: dict[str, Any] | None = None,
+        *,
+        rng: bool = True,
+        versions: Mapping[str, Any] | None = None,
+        grads: bool = False,
+    ) -> None:
+        self.model = model
+        self.optimizers = _as_list(optimizer)
+        self.schedulers = _as_list(scheduler)
+        self.scheduler_is_list = isinstance(scheduler, list | tuple)
+        self.scaler = scaler
+        self.dataloader = dataloader
+        self.extra = extra if extra is not None else {}
+        self.rng = rng
+        self.versions = dict(versions or {})
+        self.grads = grads
+        if self.optimizers and model is None:
+            raise InvalidArgumentError("TrainState: an optimizer needs its model")
+        if grads and model is None:
+            raise InvalidArgumentError("TrainState: grads=True needs the model")
+        if not isinstance(self.extra, dict):
+            raise InvalidArgumentError("TrainState: extra must be a dict")
+
+    # -- what it holds ----------------------------------------------------------------------
+
+    def parts(self) -> list[str]:
+        """The parts this state asks for."""
+        have = {
+            "model": self.model is not None,
+            "optim": bool(self.optimizers),
+            "scheduler": bool(self.schedulers),
+            "scaler": self.scaler is not None,
+            "extra": bool(self.extra),
+            "grads": self.grads,
+            "rng": self.rng,
+            "data": self.dataloader is not None,
+        }
+        return [p for p in PARTS_BY_LEVEL["strict"] if have[p]]
+
+    def kinds(self, parts: Collection[str] | None = None) -> dict[str, bool]:
+        p = set(self.parts()) if parts is None else set(parts) & set(self.parts())
+        return {
+            "model": "model" in p,
+            "optimizer": "optim" in p,
+            "scheduler": "scheduler" in p,
+            "scaler": "scaler" in p,
+            "rng": "rng" in p,
+            "data": "data" in p,
+            "extra": "extra" in p,
+        }
+
+    def offered_level(self, parts: Collection[str] | None = None) -> str:
+        """The highest level a snapshot of these parts (default: all) can give: a snapshot
+        states honestly what it can restore to."""
+        mine = set(self.parts())
+        saved = mine if parts is None else set(parts) & mine
+        training = {p for p in PARTS_BY_LEVEL["training"] if p in mine}
+        # Strict needs the RNG, which a TrainState restoring strictly always asks for.
+        if "rng" in saved and {p for p in PARTS_BY_LEVEL["strict"] if p in mine} <= saved:
+            return "strict"
+        if training - {"model"} and training <= saved:
+            return "training"
+        return "weights"
+
+    def data_cursor(self) -> Any:
+        sd = getattr(self.dataloader, "state_dict", None)
+        from trainsnap.state.sampler import ElasticSampler
+
+        if isinstance(self.dataloader, ElasticSampler) and sd is not None:
+            return sd()
+        return None
+
+    def counters(self) -> tuple[int | None, int | None]:
+        """(tokens seen, samples seen), from ``extra`` or the elastic sampler."""
+        from trainsnap.state.sampler import ElasticSampler
+
+        tokens = self.extra.get("tokens_seen")
+        samples = self.extra.get("samples_seen")
+        if samples is None and isinstance(self.dataloader, ElasticSampler):
+            samples = self.dataloader.consumed
+        return (
+            tokens if isinstance(tokens, int) else None,
+            samples if isinstance(samples, int) else None,
+        )
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        assert self.model is not None
+        if self.optimizers:
+            msd, osd = get_state_dict(self.model, self.optimizers)
+            return dict(msd), dict(osd)
+        return dict(get_model_state_dict(self.model)), None
+
+    def save_tree(self, parts: Collection[str] | None = None) -> dict[str, Any]:
+        """What a save stores, as a tree of tensors and plain data: every part, or only
+        ``parts`` (e.g. ``{"model"}`` for a weights-only snapshot between full ones)."""
+        want = set(self.parts()) if parts is None else set(parts) & set(self.parts())
+        tree: dict[str, Any] = {}
+        if "model" in want:
+            if "optim" in want:
+                msd, osd = self._model_and_optim()
+                assert osd is not None
+                tree["optim"] = osd
+                tree["optim_meta"] = {"stateless": self._stateless(osd)}
+            else:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                assert self.model is not None
+                msd = dict(get_model_state_dict(self.model))
+            tree["model"] = msd
+        if "scheduler" in want:
+            sds = [s.state_dict() for s in self.schedulers]
+            tree["scheduler"] = sds if self.scheduler_is_list else sds[0]
+        if "scaler" in want:
+            tree["scaler"] = self.scaler.state_dict()
+        if "data" in want:
+            tree["data"] = self.dataloader.state_dict()
+        if "rng" in want:
+            tree["rng"] = rng_mod.capture()
+        if "extra" in want:
+            tree["extra"] = self.extra
+        if "grads" in want:
+            tree["grads"] = self._grads()
+        return tree
+
+    def _stateless(self, osd: dict[str, Any]) -> list[str]:
+        """Parameters with no optimizer state (they never got a gradient)."""
+        named = [n for g in osd["param_groups"] for n in g["params"]]
+        return sorted(n for n in named if n not in osd["state"])
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        assert self.model is not None
+        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def plan_load(
+        self,
+        manifest: Manifest,
+        asked: str,
+        *,
+        world_size: int,
+        allow_downgrade: bool,
+        read_value: Callable[[str], Any],
+    ) -> LoadPlan:
+        """The highest level up to ``asked`` this snapshot gives this state, and the tree to
+        load for it; raise when ``asked`` cannot be reached and no downgrade is allowed."""
+        if asked not in LEVELS:
+            raise InvalidArgumentError(f"level must be one of {LEVELS}, got {asked!r}")
+        snap = _SnapshotParts(manifest)
+        if "optim" in snap.parts and manifest.find_value("optim_meta.stateless", -1) is not None:
+            snap.stateless = list(read_value("optim_meta.stateless"))
+        problems = {lvl: self._problems(lvl, snap, manifest, world_size) for lvl in LEVELS}
+        reached = None
+        for lvl in LEVELS[: level_rank(asked) + 1]:
+            if problems[lvl]:
+                break
+            reached = lvl
+        if reached is None:
+            raise IncompatibleError(
+                f"snapshot {manifest.snapshot_id} cannot restore even the weights of this state",
+                snapshot_id=manifest.snapshot_id,
+                problems=problems["weights"],
+            )
+        if reached != asked:
+            if not allow_downgrade:
+                raise IncompatibleError(
+                    f"snapshot {manifest.snapshot_id} cannot give a {asked!r} resume of this state "
+                    f"(it can give {reached!r}). Pass allow_downgrade=True to continue at "
+                    f"{reached!r}, or level={reached!r}.",
+                    snapshot_id=manifest.snapshot_id,
+                    problems=problems[asked],
+                )
+            log.warning(
+                "snapshot %s: resuming at level %r instead of %r: %s",
+                manifest.snapshot_id,
+                reached,
+                asked,
+                "; ".join(problems[asked]),
+            )
+        if reached != "strict":
+            for why in self._version_changes(manifest):
+                log.warning("snapshot %s: %s", manifest.snapshot_id, why)
+        tree = self._template(reached, snap)
+        return LoadPlan(tree, reached, problems[asked])
+
+    def _problems(
+        self, level: str, snap: _SnapshotParts, manifest: Manifest, world: int
+    ) -> list[str]:
+        wanted = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
+        out = [
+            f"the snapshot has no {p} state, which this state asks for"
+            for p in wanted
+            if p not in snap.parts
+        ]
+        if level == "strict":
+            saved_world = manifest.world_size
+            if saved_world != world:
+                for p in RANK_BOUND_PARTS:
+                    if p in wanted and snap.rank_bound(p):
+                        out.append(
+                            f"the {p} state is per rank and the topology changed from "
+                            f"{saved_world} to {world} ranks"
+                        )
+            out += self._version_changes(manifest)
+            approx = manifest.meta.get("approximate")
+            if approx and "optim" in wanted:
+                out.append(
+                    "the optimizer state was stored at reduced precision (retained history, "
+                    f"{approx.get('precision', '?') if isinstance(approx, dict) else '?'})"
+                )
+            if "rng" in wanted and ("cuda" in snap.rng_devices) != torch.cuda.is_available():
+                out.append(
+                    "the snapshot's CUDA RNG state does not match this process's CUDA devices"
+                )
+        return out
+
+    def _version_changes(self, manifest: Manifest) -> list[str]:
+        saved = manifest.versions.get("user", {})
+        out = []
+        for k in VERSION_KEYS_CHECKED:
+            if k in saved and k in self.versions and saved[k] != self.versions[k]:
+                out.append(f"the {k} version changed from {saved[k]!r} to {self.versions[k]!r}")
+        return out
+
+    def _template(self, level: str, snap: _SnapshotParts) -> dict[str, Any]:
+        parts = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
+        tree: dict[str, Any] = {}
+        if "model" in parts:
+            if "optim" in parts:
+                msd, osd = self._model_and_optim()
+                assert osd is not None
+                stateless = set(snap.stateless)
+                for name in list(osd["state"]):
+                    if name in stateless:
+                        del osd["state"][name]  # had no state when saved: must have none now
+                tree["optim"] = osd
+            else:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                assert self.model is not None
+                msd = dict(get_model_state_dict(self.model))
+            tree["model"] = msd
+        if "scheduler" in parts:
+            sds = [s.state_dict() for s in self.schedulers]
+            tree["scheduler"] = sds if self.scheduler_is_list else sds[0]
+        if "scaler" in parts:
+            tree["scaler"] = self.scaler.state_dict()
+        if "data" in parts:
+            tree["data"] = self.dataloader.state_dict()
+        if "rng" in parts:
+            tree["rng"] = rng_mod.template()
+        if "extra" in parts:
+            tree["extra"] = self.extra
+        if "grads" in parts:
+            assert self.model is not None
+            names = snap.grad_names
+            tree["grads"] = {
+                n: torch.zeros_like(p) for n, p in self.model.named_parameters() if n in names
+            }
+        return tree
+
+    def apply(self, tree: dict[str, Any]) -> None:
+        """Give every object its loaded state back (after a load filled ``tree``)."""
+        if "model" in tree:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            assert self.model is not None
+            set_model_state_dict(self.model, tree["model"])
+            if "optim" in tree:
+                # Not strict: parameters that had no optimizer state when saved (they never got
+                # a gradient) must have none now; plan_load checked exactly which those are.
+                set_optimizer_state_dict(
+                    self.model,
+                    self.optimizers,
+                    tree["optim"],
+                    options=StateDictOptions(strict=False),
+                )
+        if "scheduler" in tree:
+            sds = tree["scheduler"] if self.scheduler_is_list else [tree["scheduler"]]
+            for s, sd in zip(self.schedulers, sds, strict=True):
+                s.load_state_dict(sd)
+        if "scaler" in tree:
+            self.scaler.load_state_dict(tree["scaler"])
+        if "data" in tree:
+            self.dataloader.load_state_dict(tree["data"])
+        if "grads" in tree:
+            assert self.model is not None
+            params = dict(self.model.named_parameters())
+            for n, g in tree["grads"].items():
+                params[n].grad = g
+        if "rng" in tree:
+            rng_mod.restore(tree["rng"])  # last: nothing above may draw from it afterwards
+
+    # -- a Stateful for anyone else -------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.save_tree()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.apply(state_dict)
+
+
+class _SnapshotParts:
+    """What a snapshot holds, by top-level part, from its manifest's keys."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.m = manifest
+        keys: Sequence[tuple[str, int]] = [
+            *zip(manifest.tensor_keys, manifest.tensor_ranks.tolist(), strict=True),
+            *zip(manifest.value_keys, manifest.value_ranks.tolist(), strict=True),
+        ]
+        self.parts: set[str] = set()
+        self.per_rank: set[str] = set()
+        self.rng_devices: set[str] = set()
+        self.grad_names: set[str] = set()
+        for key, rank in keys:
+            part, _, rest = key.partition(".")
+            self.parts.add(part)
+            if rank >= 0:
+                self.per_rank.add(part)
+            if part == "rng":
+                self.rng_devices.add(rest.split(".", 1)[0])
+            if part == "grads":
+                self.grad_names.add(rest)
+        self.stateless: list[str] = []
+
+    def rank_bound(self, part: str) -> bool:
+        return part in self.per_rank

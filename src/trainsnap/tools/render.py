@@ -1,0 +1,297 @@
+"""How the command line presents things: sizes, times, shapes, and a snapshot's manifest
+summarised as tables for people and as JSON for programs.
+
+Nothing here prints or reads storage: :mod:`trainsnap.tools.cli` does both and hands what it
+found to
+these functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from trainsnap.format.manifest import Manifest
+from trainsnap.format.regions import Flat, Region
+from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.tools.diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff
+
+MAX_SHARDS_SHOWN = 3
+"""Shards whose geometry ``show`` spells out per tensor; the rest are counted."""
+
+
+def new_table(title: str | None = None) -> Table:
+    """Borderless tables: they fit 80 columns where boxed ones would cut ids short."""
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+
+
+def human_size(nbytes: int) -> str:
+    """Binary units, one decimal: enough to compare snapshot sizes at a glance."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        size /= 1024
+        if size < 1024 or unit == "PiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def utc_text(moment: datetime) -> str:
+    """UTC to the second; a manifest without a zone wrote UTC (trainsnap always does)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def scope_text(rank: int) -> str:
+    return "global" if rank < 0 else f"rank:{rank}"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def flat_items(mapping: dict[str, Any], prefix: str = "") -> list[str]:
+    """``k=v`` pairs, nested mappings as dotted keys, so versions and topology fit on a line."""
+    out: list[str] = []
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            out += flat_items(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={json.dumps(v) if not isinstance(v, str) else v}")
+    return out
+
+
+def snapshot_table(
+    infos: Sequence[SnapshotInfo],
+    verdicts: dict[str, str],
+    tiers: dict[str, list[str]] | None = None,
+) -> Table:
+    table = new_table()
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("id", no_wrap=True)
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("level", no_wrap=True)
+    table.add_column("verified", no_wrap=True)
+    if tiers is not None:
+        table.add_column("tiers", no_wrap=True)
+    for i in infos:
+        verdict = verdicts.get(i.id, "-")
+        style = "red bold" if verdict == "CORRUPT" else ""
+        created = utc_text(i.created).removesuffix(" UTC")
+        row: list[str | Text] = [str(i.step), Text(i.id), created, human_size(i.nbytes)]
+        row += [Text(i.level), Text(verdict, style)]
+        if tiers is not None:
+            row.append(Text("+".join(tiers.get(i.id, []))))
+        table.add_row(*row)
+    return table
+
+
+def owner_nbytes(manifest: Manifest) -> np.ndarray:
+    """Stored bytes of each shard, then of each value: the lengths of its chunks, summed."""
+    clen = np.zeros(len(manifest.chunk_length) + 1, np.int64)
+    np.cumsum(manifest.chunk_length, out=clen[1:])
+    cs = manifest.chunk_start()
+    out: np.ndarray = clen[cs[1:]] - clen[cs[:-1]]
+    return out
+
+
+def tensor_nbytes(manifest: Manifest, owner_bytes: np.ndarray) -> list[int]:
+    pre = np.zeros(len(manifest.shard_kind) + 1, np.int64)
+    np.cumsum(owner_bytes[: len(manifest.shard_kind)], out=pre[1:])
+    ss = manifest.shard_start()
+    out: list[int] = (pre[ss[1:]] - pre[ss[:-1]]).tolist()
+    return out
+
+
+def geometry_text(region: Region) -> str:
+    if isinstance(region, Flat):
+        return f"flat start {region.start} len {region.length}"
+    return f"box at {shape_text(region.offsets)} size {shape_text(region.sizes)}"
+
+
+def region_json(region: Region, nbytes: int) -> dict[str, Any]:
+    if isinstance(region, Flat):
+        return {"kind": "flat", "start": region.start, "length": region.length, "nbytes": nbytes}
+    return {
+        "kind": "box",
+        "offsets": list(region.offsets),
+        "sizes": list(region.sizes),
+        "nbytes": nbytes,
+    }
+
+
+def largest_object(manifest: Manifest) -> dict[str, Any] | None:
+    if not manifest.object_names:
+        return None
+    o = int(np.argmax(manifest.object_sizes))
+    return {"name": manifest.object_names[o], "nbytes": int(manifest.object_sizes[o])}
+
+
+def manifest_json(manifest: Manifest) -> dict[str, Any]:
+    """Everything ``show`` knows, as plain JSON (``rank`` is null for a global tensor)."""
+    ob = owner_nbytes(manifest)
+    tb = tensor_nbytes(manifest, ob)
+    base = manifest.value_chunk_base()
+    tensors = [
+        {
+            "key": key,
+            "rank": None if int(manifest.tensor_ranks[t]) < 0 else int(manifest.tensor_ranks[t]),
+            "dtype": manifest.tensor_dtypes[t],
+            "shape": list(manifest.tensor_shapes[t]),
+            "nbytes": tb[t],
+            "shards": [region_json(r, int(ob[s])) for s, r in manifest.tensor_shards(t)],
+        }
+        for t, key in enumerate(manifest.tensor_keys)
+    ]
+    values = [
+        {
+            "key": key,
+            "rank": None if int(manifest.value_ranks[v]) < 0 else int(manifest.value_ranks[v]),
+            "codec": manifest.value_codecs[v],
+            "nbytes": int(ob[base + v]),
+        }
+        for v, key in enumerate(manifest.value_keys)
+    ]
+    return {
+        "id": manifest.snapshot_id,
+        "step": manifest.step,
+        "created": manifest.created,
+        "level": manifest.level,
+        "nbytes": manifest.nbytes,
+        "tokens_seen": manifest.tokens_seen,
+        "samples_seen": manifest.samples_seen,
+        "data_cursor": manifest.data_cursor,
+        "parent": manifest.parent,
+        "versions": manifest.versions,
+        "topology": manifest.topology,
+        "state_kinds": manifest.state_kinds,
+        "meta": manifest.meta,
+        "checksum": {"algorithm": manifest.algorithm, "block_size": manifest.block_size},
+        "format_version": manifest.format_version,
+        "tensors": tensors,
+        "values": values,
+        "objects": {
+            "count": len(manifest.object_names),
+            "nbytes": manifest.nbytes,
+            "largest": largest_object(manifest),
+        },
+    }
+
+
+def header_grid(manifest: Manifest) -> Table:
+    kinds = [k for k, present in manifest.state_kinds.items() if present]
+    rows = [
+        ("id", manifest.snapshot_id),
+        ("step", str(manifest.step)),
+        ("created", utc_text(SnapshotInfo.from_manifest(manifest, "").created)),
+        ("level", manifest.level),
+        ("size", f"{human_size(manifest.nbytes)} ({manifest.nbytes} bytes)"),
+        ("tokens seen", "-" if manifest.tokens_seen is None else str(manifest.tokens_seen)),
+        ("samples seen", "-" if manifest.samples_seen is None else str(manifest.samples_seen)),
+        ("versions", ", ".join(flat_items(manifest.versions)) or "-"),
+        ("topology", ", ".join(flat_items(manifest.topology)) or "-"),
+        ("state kinds", ", ".join(kinds) or "none recorded"),
+        ("checksum", f"{manifest.algorithm}, blocks of {human_size(manifest.block_size)}"),
+        ("format", f"version {manifest.format_version}"),
+    ]
+    if manifest.parent:
+        rows.append(("parent", manifest.parent))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for name, value in rows:
+        grid.add_row(name, Text(value))
+    return grid
+
+
+def tensor_table(manifest: Manifest, owner_base: np.ndarray) -> Table:
+    tb = tensor_nbytes(manifest, owner_base)
+    table = new_table(f"tensors ({len(manifest.tensor_keys)})")
+    for name in ("key", "scope", "dtype", "shape", "shards", "bytes", "shard geometry"):
+        right = name in ("shards", "bytes")
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for t, key in enumerate(manifest.tensor_keys):
+        shards = manifest.tensor_shards(t)
+        geo = [geometry_text(r) for _, r in shards[:MAX_SHARDS_SHOWN]]
+        if len(shards) > MAX_SHARDS_SHOWN:
+            geo.append(f"+{len(shards) - MAX_SHARDS_SHOWN} more")
+        table.add_row(
+            Text(key),
+            scope_text(int(manifest.tensor_ranks[t])),
+            manifest.tensor_dtypes[t],
+            shape_text(manifest.tensor_shapes[t]),
+            str(len(shards)),
+            str(tb[t]),
+            Text("\n".join(geo)),
+        )
+    return table
+
+
+def value_table(manifest: Manifest, owner_base: np.ndarray) -> Table:
+    base = manifest.value_chunk_base()
+    table = new_table(f"values ({len(manifest.value_keys)})")
+    for name in ("key", "scope", "codec", "bytes"):
+        table.add_column(name, justify="right" if name == "bytes" else "left", overflow="fold")
+    for v, key in enumerate(manifest.value_keys):
+        scope = scope_text(int(manifest.value_ranks[v]))
+        table.add_row(Text(key), scope, manifest.value_codecs[v], str(int(owner_base[base + v])))
+    return table
+
+
+def objects_line(manifest: Manifest) -> str:
+    largest = largest_object(manifest)
+    line = f"objects: {len(manifest.object_names)}, {human_size(manifest.nbytes)} in all"
+    if largest:
+        line += f", largest {largest['name']} ({human_size(largest['nbytes'])})"
+    return line
+
+
+def number_text(number: float | None) -> str:
+    return "-" if number is None else f"{number:.3g}"
+
+
+_DIFF_GROUP = {CHANGED: 0, RETYPED: 0, RESHAPED: 1, ADDED: 2, REMOVED: 3, UNCHANGED: 4}
+
+
+def diff_order(diff: TensorDiff) -> tuple[int, float, str, int]:
+    """Largest relative change first (NaN and inf on top: they are what one looks for), then
+    reshaped, added, removed, unchanged."""
+    rel = diff.rel_norm
+    weight = math.inf if rel is None or math.isnan(rel) else rel
+    return (_DIFF_GROUP[diff.status], -weight, diff.key, diff.rank)
+
+
+def diff_table(title: str, diffs: Sequence[TensorDiff]) -> Table:
+    table = new_table(title)
+    for name in ("key", "status", "dtype", "shape", "max |a-b|", "|a-b|/|a|"):
+        right = name.startswith(("max", "|"))
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for d in diffs:
+        da, db = d.dtype_a or d.dtype_b or "-", d.dtype_b or d.dtype_a or "-"
+        sa, sb = d.shape_a or d.shape_b or (), d.shape_b or d.shape_a or ()
+        table.add_row(
+            Text(d.label),
+            d.status,
+            da if da == db else f"{da} -> {db}",
+            shape_text(sa) if sa == sb else f"{shape_text(sa)} -> {shape_text(sb)}",
+            number_text(d.max_abs),
+            number_text(d.rel_norm),
+        )
+    return table
