@@ -201,7 +201,7 @@ def test_demo_crashes_resumes_on_another_topology_and_passes(tmp_path: Path) -> 
     assert "SIGKILLed while writing the save of step 16" in out.stdout
     assert "at level 'strict'" in out.stdout and "all blocks ok" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert trainsnap.api.verification(tmp_path / "run").ok
+    assert trainsnap.verify(tmp_path / "run").ok
 
 
 def test_demo_judge_fails_a_run_that_did_not_continue() -> None:

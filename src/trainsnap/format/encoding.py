@@ -367,7 +367,7 @@ def validate(manifest: Manifest) -> list[str]:
     """Every structural problem of a decoded manifest (empty when sound).
 
     Checks types, ranges and cross-table consistency with vectorised tests; shard tiling per
-    tensor is checked by :func:`trainsnap.api.verification` and, for what it reads, by every load.
+    tensor is checked by :func:`trainsnap.verify` and, for what it reads, by every load.
     Unknown algorithms and codecs raise :class:`IncompatibleError` (a newer writer), the rest is
     reported as corruption.
     """

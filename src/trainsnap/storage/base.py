@@ -1,10 +1,15 @@
 """The storage protocol every backend implements.
 
-Five operations on keys relative to the root (``objects/ab/abcd...``, ``snapshots/<id>/...``):
-``put`` makes a whole object visible atomically (or not at all), ``get``/``read_into`` read a
-byte range, ``stat`` gives a size, ``list`` walks a prefix, ``delete`` removes. Capabilities are
-attributes, not subclasses. Backend errors leave a backend as builtins: ``FileNotFoundError`` for
-a missing key, ``OSError`` for the rest.
+Nine methods on keys relative to the root (``objects/ab/abcd...``, ``snapshots/<id>/...``). Five
+are the protocol proper: ``put`` makes a whole object visible atomically (or not at all), ``get``
+reads a byte range, ``stat`` gives a size, ``list`` walks a prefix, ``delete`` removes. Four more
+exist because a part of the library needs exactly that and cannot build it from the five:
+``read_into`` (a range straight into the caller's memory: loads without a copy),
+``put_if_absent`` (an atomic create: the writer generations that fence a superseded job),
+``mtime`` and ``refresh`` (an object's age, and making it young again: the collector's grace
+period protects an object a save in flight reuses). Capabilities are attributes, not
+subclasses. Backend errors leave a backend as builtins: ``FileNotFoundError`` for a missing key,
+``OSError`` for the rest.
 """
 
 from __future__ import annotations
