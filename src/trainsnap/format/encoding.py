@@ -18,6 +18,7 @@ import struct
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from trainsnap.errors import CorruptError, IncompatibleError, TrainsnapError
 from trainsnap.format.checksums import Hasher
@@ -387,9 +388,63 @@ def validate(manifest: Manifest) -> list[str]:
         raise IncompatibleError(f"object codec {c!r} unknown to this trainsnap; upgrade it")
     for c in set(manifest.value_codecs) - set(VALUE_CODECS):
         raise IncompatibleError(f"value codec {c!r} unknown to this trainsnap; upgrade it")
+    bounds = _bounds_problems(manifest)
+    if bounds:  # later checks sum and index with these numbers: they must not wrap
+        return p + bounds
     p += _validate_objects(manifest)
     p += _validate_tables(manifest)
     return p
+
+
+_LIMIT = 1 << 62
+"""Every size, offset, length and count of a manifest is below this, and so is every sum the
+validation forms, so that no int64 arithmetic on them can wrap (a crafted manifest would
+otherwise pass checks by overflow, or drive numpy past its buffers)."""
+MAX_NDIM = 64
+"""Most dimensions a tensor may have (torch's own limit)."""
+
+
+def _bounds_problems(manifest: Manifest) -> list[str]:
+    """Ranges of every number before any arithmetic: counts no larger than the table they
+    count, sizes and offsets in ``[0, 2^62)``, totals (summed as floats, which cannot wrap)
+    below ``2^62``."""
+    nshards, nchunks = len(manifest.shard_kind), len(manifest.chunk_object)
+    columns: list[tuple[str, npt.NDArray[np.int64], int]] = [
+        ("objects.sizes", manifest.object_sizes, _LIMIT),
+        ("objects.stored", manifest.object_stored, _LIMIT),
+        ("objects.frames", manifest.frames, 2 * manifest.block_size + 4096),
+        ("tensors.nshards", manifest.tensor_nshards, nshards),
+        ("shards.nchunks", manifest.shard_nchunks, nchunks),
+        ("values.nchunks", manifest.value_nchunks, nchunks),
+        ("chunks.offset", manifest.chunk_offset, _LIMIT),
+        ("chunks.length", manifest.chunk_length, _LIMIT),
+        ("shards.geometry", manifest.shard_geo, _LIMIT),
+    ]
+    for name, column, top in columns:
+        if len(column) and (int(column.min()) < 0 or int(column.max()) > top):
+            return [f"{name} holds a number outside [0, {top}]"]
+    for name, column in (
+        ("object sizes", manifest.object_sizes),
+        ("chunk lengths", manifest.chunk_length),
+        ("tensor counts", np.concatenate([manifest.tensor_nshards, manifest.value_nchunks])),
+    ):
+        if float(np.sum(column, dtype=np.float64)) >= _LIMIT:
+            return [f"the {name} add up to 2^62 or more"]
+    return _shape_problems(manifest)
+
+
+def _shape_problems(manifest: Manifest) -> list[str]:
+    for key, shape in zip(manifest.tensor_keys, manifest.tensor_shapes, strict=False):
+        if len(shape) > MAX_NDIM:
+            return [f"tensor {key!r} has {len(shape)} dimensions (at most {MAX_NDIM})"]
+        numel = 1
+        for n in shape:  # Python ints: exact
+            if not 0 <= n < _LIMIT:
+                return [f"tensor {key!r} has a dimension {n} outside [0, 2^62)"]
+            numel *= n
+        if numel * 16 >= _LIMIT:
+            return [f"tensor {key!r} of shape {list(shape)} is larger than 2^58 elements"]
+    return []
 
 
 def _validate_objects(manifest: Manifest) -> list[str]:

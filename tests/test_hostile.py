@@ -1,0 +1,162 @@
+"""Hostile roots: a crafted manifest, marker or object can neither crash, exhaust, escape nor
+execute. Each test is one attack found by hand; every entry point must answer it with a
+TrainsnapError kind (the CLI: one line, no traceback) and touch nothing outside the root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import trainsnap as ts
+from trainsnap.format import encoding
+from trainsnap.format.manifest import Manifest
+from trainsnap.protocol import commit
+from trainsnap.storage import open_storage
+
+BIG = 2**63 - 1
+
+
+def _state() -> dict:
+    return {
+        "w": torch.arange(600, dtype=torch.float32).reshape(20, 30),
+        "b": torch.ones(7, dtype=torch.bfloat16),
+        "c": torch.arange(5, dtype=torch.int64),
+        "cfg": {"lr": 0.5, "names": ["a", "b"]},
+    }
+
+
+def _destination() -> dict:
+    return {
+        "w": torch.zeros(20, 30),
+        "b": torch.zeros(7, dtype=torch.bfloat16),
+        "c": torch.zeros(5, dtype=torch.int64),
+        "cfg": {},
+    }
+
+
+def _hostile_root(root: Path, mutate: Callable[[Manifest], None]) -> str:
+    """A root whose one snapshot's manifest was changed by ``mutate`` and committed again with a
+    marker that matches it, so that only validation stands between it and the readers."""
+    sid = ts.save(_state(), root, step=3).id
+    storage = open_storage(root)
+    manifest = commit.open_snapshot(storage, sid)
+    mutate(manifest)
+    storage.delete(f"snapshots/{sid}/COMMITTED")
+    commit.write_commit(storage, manifest, writer={})
+    return sid
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _every_reader_refuses(root: Path, sid: str) -> None:
+    """ts.load, ts.verify and the CLI answer with TrainsnapError kinds, never a crash."""
+    with pytest.raises(ts.TrainsnapError):
+        ts.load(_destination(), root, snapshot=sid)
+    with pytest.raises(ts.TrainsnapError):
+        ts.verify(root)
+    for args in (("verify", str(root)), ("show", str(root), sid), ("gc", str(root), "--dry-run")):
+        out = _cli(*args)
+        assert out.returncode in (0, 1, 2), (args, out.returncode, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr[-2000:])
+    assert _cli("verify", str(root)).returncode != 0
+
+
+def _set_column(name: str, values: list[int]) -> Callable[[Manifest], None]:
+    def mutate(manifest: Manifest) -> None:
+        setattr(manifest, name, np.array(values, np.int64))
+        manifest._derived.clear()
+
+    return mutate
+
+
+def test_shard_counts_that_wrap_in_int64_are_corrupt_not_a_segfault(tmp_path: Path) -> None:
+    """Finding 1: nshards [2^63-1, 2^63-1, 4] summed in int64 to the shards present, and
+    np.repeat wrote past its buffer (SIGSEGV in show, verify, gc --dry-run and load)."""
+    sid = _hostile_root(tmp_path, _set_column("tensor_nshards", [BIG, BIG, 5]))  # sums to 3
+    _every_reader_refuses(tmp_path, sid)
+
+
+def _wrapping_chunks(manifest: Manifest) -> None:
+    """Tensor b's one chunk of 14 bytes becomes four at offset 2^62 of lengths 2^62 + 4, 4, 3, 3:
+    each offset + length wraps negative (so "inside its object") and the lengths sum, wrapped,
+    to the 14 bytes the shard needs."""
+    shard = manifest.tensor_keys.index("b")  # one shard per tensor here
+    first = int(manifest.chunk_start()[shard])
+    obj = int(manifest.chunk_object[first])
+    rows = [(obj, 2**62, 2**62 + n) for n in (4, 4, 3, 3)]
+    names = ("chunk_object", "chunk_offset", "chunk_length")
+    for name, column in zip(names, zip(*rows, strict=True), strict=True):
+        old = getattr(manifest, name)
+        setattr(manifest, name, np.concatenate([old[:first], column, old[first + 1 :]]))
+    manifest.shard_nchunks[shard] = 4
+    manifest._derived.clear()
+
+
+def test_chunk_bounds_that_wrap_are_corrupt(tmp_path: Path) -> None:
+    """Finding 2: chunks at offset 2^62 with lengths near 2^62 wrapped offset+length and
+    passed; verify said "all ok"."""
+    sid = _hostile_root(tmp_path, _wrapping_chunks)
+    _every_reader_refuses(tmp_path, sid)
+
+
+def test_a_value_chunk_of_2_63_bytes_is_corrupt_not_a_memory_error(tmp_path: Path) -> None:
+    def mutate(manifest: Manifest) -> None:
+        last = len(manifest.chunk_length) - 1  # values come after the shards' chunks
+        manifest.chunk_offset[last], manifest.chunk_length[last] = 1, BIG
+
+    sid = _hostile_root(tmp_path, mutate)
+    _every_reader_refuses(tmp_path, sid)
+
+
+def test_wrapped_chunk_counts_are_corrupt_not_an_index_error(tmp_path: Path) -> None:
+    def mutate(manifest: Manifest) -> None:  # BIG + BIG wraps to -2: the total stays right
+        counts = manifest.shard_nchunks
+        counts[:] = [BIG, BIG, int(counts.sum()) + 2]
+        manifest._derived.clear()
+
+    sid = _hostile_root(tmp_path, mutate)
+    _every_reader_refuses(tmp_path, sid)
+
+
+def test_a_tensor_of_a_million_dimensions_is_refused_before_any_allocation(
+    tmp_path: Path,
+) -> None:
+    """Finding 8: validation built a tensors x max-rank matrix; one tensor with 10^6 dimensions
+    would ask for gigabytes."""
+
+    def mutate(manifest: Manifest) -> None:
+        manifest.tensor_shapes[0] = (1,) * 1_000_000
+
+    sid = _hostile_root(tmp_path, mutate)
+    with pytest.raises(ts.CorruptError, match="dimensions"):
+        commit.open_snapshot(open_storage(tmp_path), sid)
+
+
+def test_a_tensor_larger_than_2_58_elements_is_corrupt(tmp_path: Path) -> None:
+    def mutate(manifest: Manifest) -> None:
+        manifest.tensor_shapes[0] = (2**40, 2**40)
+
+    sid = _hostile_root(tmp_path, mutate)
+    with pytest.raises(ts.CorruptError, match="larger than"):
+        commit.open_snapshot(open_storage(tmp_path), sid)
+
+
+def test_the_validation_bounds_reject_every_wrapping_column() -> None:
+    """The bounds check on its own: each column with a number that could wrap is named."""
+    sid = "step-000000000003-0000aaaa"
+    for column in ("object_sizes", "chunk_offset", "chunk_length", "tensor_nshards"):
+        manifest = Manifest(
+            snapshot_id=sid, created="", step=3, level="strict", algorithm="xxh3-128", block_size=64
+        )
+        setattr(manifest, column, np.array([BIG], np.int64))
+        problems = encoding.validate(manifest)
+        assert problems and "outside" in problems[0], (column, problems)
