@@ -100,7 +100,7 @@ def test_a_save_after_a_crash_commits_and_reuses_what_survived(tmp_path):
 _COLLECT = textwrap.dedent(
     """
     import sys, trainsnap as ts
-    from trainsnap import gc
+    from trainsnap.manager import collection
     storage = ts.open_storage(sys.argv[1])
     old = ts.list_snapshots(storage)[0]
     collection.delete_snapshot(storage, old.id)
