@@ -30,7 +30,6 @@ import numpy as np
 import numpy.typing as npt
 
 from trainsnap.errors import IncompatibleError
-from trainsnap.manager.policies import KeepLast  # deliberately wrong: format reaching up
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.regions import Box, Flat, Region, Shape
 
