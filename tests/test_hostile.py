@@ -4,6 +4,7 @@ TrainsnapError kind (the CLI: one line, no traceback) and touch nothing outside 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import torch
 import trainsnap as ts
 from trainsnap.format import encoding
 from trainsnap.format.manifest import Manifest
+from trainsnap.manager import collection
 from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
 
@@ -160,3 +162,97 @@ def test_the_validation_bounds_reject_every_wrapping_column() -> None:
         setattr(manifest, column, np.array([BIG], np.int64))
         problems = encoding.validate(manifest)
         assert problems and "outside" in problems[0], (column, problems)
+
+
+# -- links, FIFOs and directories where objects should be ------------------------------------
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A directory outside the root with canary files any escape would read, write or delete."""
+    outside = tmp_path / "outside"
+    (outside / "ab").mkdir(parents=True)
+    for name in ("canary", "ab/" + "0" * 32):
+        (outside / name).write_text("must survive")
+    return outside
+
+
+def _canaries(outside: Path) -> dict[str, str]:
+    return {
+        p.relative_to(outside).as_posix(): p.read_text() for p in outside.rglob("*") if p.is_file()
+    }
+
+
+def test_gc_never_deletes_through_a_symlinked_objects_directory(tmp_path: Path) -> None:
+    """Finding 3: with ROOT/objects a link to another directory, gc deleted every unreferenced
+    file under that directory."""
+    root, outside = tmp_path / "root", _outside(tmp_path)
+    ts.save(_state(), root, step=1)
+    real_objects = root / "objects"
+    real_objects.rename(tmp_path / "moved-objects")
+    real_objects.symlink_to(outside, target_is_directory=True)
+    before = _canaries(outside)
+    out = _cli("gc", str(root))
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    collection.collect(open_storage(root), grace=None)
+    assert _canaries(outside) == before
+
+
+def test_an_object_that_is_a_symlink_out_of_the_root_is_never_read(tmp_path: Path) -> None:
+    """Finding 6: an object file linked to a file outside was read (verify printed the size of
+    /etc/passwd) and loaded."""
+    root, outside = tmp_path / "root", _outside(tmp_path)
+    sid = ts.save(_state(), root, step=1).id
+    victim = next(p for p in (root / "objects").rglob("*") if p.is_file())
+    (outside / "copy").write_bytes(victim.read_bytes())  # the same bytes: only the link differs
+    victim.unlink()
+    victim.symlink_to(outside / "copy")
+    with pytest.raises(ts.CorruptError, match="not a regular file"):
+        ts.load(_destination(), root, snapshot=sid)
+    with pytest.raises(ts.CorruptError, match="not a regular file"):
+        ts.verify(root)
+    assert (outside / "copy").exists()
+
+
+def test_a_snapshot_directory_linked_out_of_the_root_is_not_listed(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    first = ts.save(_state(), root, step=1).id
+    second = ts.save(_state(), root, step=2).id
+    (root / "snapshots" / second).rename(elsewhere)
+    (root / "snapshots" / second).symlink_to(elsewhere, target_is_directory=True)
+    assert [s.id for s in ts.list_snapshots(root)] == [first]
+    assert ts.load(_destination(), root).id == first
+    with pytest.raises(ts.TrainsnapError):  # named explicitly, it is still not read
+        ts.load(_destination(), root, snapshot=second)
+
+
+def test_a_planted_symlink_directory_cannot_make_a_save_write_outside(tmp_path: Path) -> None:
+    """Object names are predictable: a link planted at objects/<h2> must not redirect writes."""
+    root, outside = tmp_path / "root", _outside(tmp_path)
+    probe = tmp_path / "probe"
+    ts.save(_state(), probe, step=1)
+    for directory in (probe / "objects").iterdir():
+        (root / "objects").mkdir(parents=True, exist_ok=True)
+        (root / "objects" / directory.name).symlink_to(outside, target_is_directory=True)
+    before = _canaries(outside)
+    with pytest.raises((ts.TrainsnapError, OSError)):
+        ts.save(_state(), root, step=1)
+    assert _canaries(outside) == before
+    assert ts.list_snapshots(root) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_directory_where_an_object_should_be_is_corrupt(
+    tmp_path: Path, kind: str
+) -> None:
+    """Finding 12: a FIFO hung ts.load; a directory gave a raw IsADirectoryError."""
+    sid = ts.save(_state(), tmp_path, step=1).id
+    victim = next(p for p in (tmp_path / "objects").rglob("*") if p.is_file())
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.mkdir()
+    with pytest.raises(ts.CorruptError):
+        ts.load(_destination(), tmp_path, snapshot=sid)
+    with pytest.raises(ts.CorruptError):
+        ts.verify(tmp_path)

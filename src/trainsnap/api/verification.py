@@ -31,6 +31,7 @@ from trainsnap.format.manifest import Manifest, object_key
 from trainsnap.format.regions import tiling_problems
 from trainsnap.protocol import commit
 from trainsnap.storage import Storage, open_storage
+from trainsnap.storage.base import NotRegularFileError
 
 Progress = Callable[[int], None]
 """Called with the size of each object once it is verified (from I/O threads, one at a time)."""
@@ -111,6 +112,9 @@ def _check_object(storage: Storage, manifest: Manifest, obj: int) -> list[Proble
     sid = manifest.snapshot_id
     try:
         stored = storage.stat(key)
+    except NotRegularFileError as e:
+        why = f"object {name} is not a regular file of the root ({e.strerror})"
+        return [Problem(CorruptError, sid, why, key)]
     except FileNotFoundError:
         return [Problem(CorruptError, sid, f"object {name} is missing", key)]
     except OSError as e:

@@ -14,7 +14,7 @@ from trainsnap.engine.buffers import BouncePool
 from trainsnap.errors import CorruptError
 from trainsnap.format import compression
 from trainsnap.format.manifest import Manifest, object_key
-from trainsnap.storage.base import ShortReadError, Storage
+from trainsnap.storage.base import NotRegularFileError, ShortReadError, Storage
 
 
 class Reader:
@@ -50,6 +50,8 @@ class Reader:
         faults.point("load_read")
         try:
             self.storage.read_into(object_key(self.m.object_names[obj]), start, out)
+        except NotRegularFileError as e:
+            raise self._fail(obj, f"is not a regular file of the root ({e.strerror})", key) from e
         except FileNotFoundError as e:
             raise self._fail(obj, "is missing", key) from e
         except ShortReadError as e:

@@ -29,6 +29,13 @@ class ShortReadError(OSError):
     """An object ended before the requested range: it is shorter than its writer made it."""
 
 
+class NotRegularFileError(FileNotFoundError):
+    """What stands under a key is not an object of this root: a symbolic link (followed, it
+    could lead anywhere outside the root), a FIFO (opening it would block), a device or a
+    directory. A ``FileNotFoundError``, so that it is never read as an object; readers that
+    name problems name it for what it is."""
+
+
 def check_key(key: str) -> str:
     """A relative, normalised key: no absolute path, no ``..``, no empty or hidden segments.
 

@@ -16,13 +16,23 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from stat import S_ISDIR
+from stat import S_ISDIR, S_ISREG
 
 from trainsnap import faults
-from trainsnap.storage.base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
+from trainsnap.storage.base import (
+    Buffer,
+    NotRegularFileError,
+    ShortReadError,
+    as_buffers,
+    check_key,
+    check_prefix,
+)
 
 _HAS_PREADV = hasattr(os, "preadv")
 _O_BINARY = getattr(os, "O_BINARY", 0)
+# Reads never follow a link and never block on a FIFO: a hostile root cannot make a reader
+# leave it or hang.
+_O_READ = os.O_RDONLY | _O_BINARY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 class PosixStorage:
@@ -36,12 +46,52 @@ class PosixStorage:
         self._lock = threading.Lock()
         self._deferring = 0
         self._pending_dirs: set[Path] = set()
+        self._checked_dirs: set[Path] = set()
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.url!r})"
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        """The file of ``key``; refused when a directory between the root and it is a symbolic
+        link (a read, write or delete through it would land outside the root)."""
+        path = self.root / check_key(key)
+        self._check_dirs(path.parent)
+        return path
+
+    def _check_dirs(self, directory: Path) -> None:
+        if directory in self._checked_dirs:
+            return
+        part = directory
+        while part != self.root:
+            if part.is_symlink():
+                raise NotRegularFileError(
+                    errno.ELOOP,
+                    "a directory of the root is a symbolic link; trainsnap never follows links "
+                    "out of a root (replace the link by a directory)",
+                    str(part),
+                )
+            part = part.parent
+        if directory.is_dir():
+            with self._lock:
+                self._checked_dirs.add(directory)
+
+    def _open_object(self, path: Path) -> int:
+        """A descriptor of the regular file at ``path``, opened without following a link."""
+        try:
+            fd = os.open(path, _O_READ)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link
+                raise NotRegularFileError(
+                    errno.ELOOP, "a symbolic link where an object should be", str(path)
+                ) from e
+            raise
+        mode = os.fstat(fd).st_mode
+        if not S_ISREG(mode):
+            os.close(fd)
+            raise NotRegularFileError(
+                errno.ENOENT, "not a regular file where an object should be", str(path)
+            )
+        return fd
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -133,16 +183,31 @@ class PosixStorage:
         return True
 
     def mtime(self, key: str) -> float:
-        return self._path(key).stat().st_mtime
+        return self._regular_stat(self._path(key)).st_mtime
 
     def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
-        os.utime(self._path(key))
+        path = self._path(key)
+        self._regular_stat(path)
+        os.utime(path, follow_symlinks=False)
+
+    @staticmethod
+    def _regular_stat(path: Path) -> os.stat_result:
+        st = os.lstat(path)
+        if S_ISDIR(st.st_mode):  # a directory holds objects but is not one (as on S3)
+            raise FileNotFoundError(errno.ENOENT, "not an object but a directory", str(path))
+        if not S_ISREG(st.st_mode):
+            raise NotRegularFileError(
+                errno.ENOENT,
+                "not a regular file (a symbolic link, FIFO or device) where an object should be",
+                str(path),
+            )
+        return st
 
     # -- reading ----------------------------------------------------------------------------
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
-        with open(path, "rb") as f:
+        with os.fdopen(self._open_object(path), "rb") as f:
             f.seek(start)
             if end is None:
                 return f.read()
@@ -155,7 +220,7 @@ class PosixStorage:
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         path = self._path(key)
-        fd = os.open(path, os.O_RDONLY | _O_BINARY)
+        fd = self._open_object(path)
         try:
             view, pos = out, start
             while len(view):
@@ -172,30 +237,31 @@ class PosixStorage:
             os.close(fd)
 
     def stat(self, key: str) -> int:
-        path = self._path(key)
-        st = path.stat()
-        if S_ISDIR(st.st_mode):  # a directory holds objects but is not one (as on S3)
-            raise FileNotFoundError(errno.ENOENT, "not an object but a directory", str(path))
-        return st.st_size
+        return self._regular_stat(self._path(key)).st_size
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self.root / check_prefix(prefix) if prefix else self.root
+        try:
+            self._check_dirs(base)
+        except NotRegularFileError:
+            return  # what a link leads to is not this root's
         if not base.is_dir():
             return
-        for dirpath, dirnames, filenames in os.walk(base):
+        for dirpath, dirnames, filenames in os.walk(base):  # never descends into a link
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                if not name.startswith("."):
+                if not name.startswith(".") and not os.path.islink(os.path.join(dirpath, name)):
                     yield name if rel == "." else f"{rel}/{name}"
 
     def list_temporaries(self) -> Iterator[str]:
         """Leftover temporary files of interrupted writes (for the collector)."""
         if not self.root.is_dir():
             return
-        for dirpath, _dirs, filenames in os.walk(self.root):
+        for dirpath, _dirs, filenames in os.walk(self.root):  # never descends into a link
             for name in filenames:
-                if name.startswith(".") and ".tmp-" in name:
+                path = os.path.join(dirpath, name)
+                if name.startswith(".") and ".tmp-" in name and not os.path.islink(path):
                     yield str(Path(dirpath) / name)
 
     def delete(self, key: str) -> None:
