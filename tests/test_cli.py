@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,26 +184,59 @@ def test_verify_unknown_id_is_an_error(root: Path, sid: str) -> None:
 
 @pytest.mark.slow
 def test_demo_crashes_resumes_on_another_topology_and_passes(tmp_path: Path) -> None:
-    png = tmp_path / "loss.png"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainsnap.tools.cli",
-        "demo",
-        "--steps",
-        "24",
-        "--root",
-        str(tmp_path / "run"),
-        "--plot",
-        str(png),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    """Run as from a fresh clone, without --root: it works in a temporary directory, names it,
+    and leaves nothing behind, neither where it ran nor in the temporary directory."""
+    cwd, tmp, png = tmp_path / "clone", tmp_path / "tmp", tmp_path / "loss.png"
+    cwd.mkdir()
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "demo", "--steps", "24", "--plot", str(png)]
+    env = dict(os.environ, TMPDIR=str(tmp))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: the run continued the same trajectory" in out.stdout
     assert "SIGKILLed while writing the save of step 16" in out.stdout
     assert "at level 'strict'" in out.stdout and "all blocks ok" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert trainsnap.verify(tmp_path / "run").ok
+    assert list(cwd.iterdir()) == []
+    (scratch,) = re.findall(r"^temporary directory: (\S+) \(snapshots and", out.stdout, re.M)
+    assert Path(scratch).parent == tmp and Path(scratch).name.startswith("trainsnap-demo-")
+    assert f"removed {scratch}" in out.stdout
+    assert not Path(scratch).exists()
+
+
+def test_demo_keeps_the_reference_root_beside_a_given_root() -> None:
+    from trainsnap.tools.demo import _reference_root
+
+    assert _reference_root("/data/run") == "/data/run-reference"
+    assert _reference_root("s3://bucket/demo/") == "s3://bucket/demo-reference"
+    assert _reference_root("file:///data/run") == "file:///data/run-reference"
+    with pytest.raises(SystemExit, match="names a whole bucket"):
+        _reference_root("s3://bucket")
+
+
+@pytest.mark.parametrize(
+    ("ok", "keep", "kept"), [(True, False, False), (True, True, True), (False, False, True)]
+)
+def test_demo_removes_its_temporary_directory_unless_kept_or_failed(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ok: bool,
+    keep: bool,
+    kept: bool,
+) -> None:
+    from trainsnap.tools import demo
+
+    monkeypatch.setattr(demo.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(demo, "_demo", lambda *args: ok)  # the three runs are the slow test's
+    assert demo.run_demo(None, 24, None, keep=keep) == (0 if ok else 1)
+    left, out = list(tmp_path.iterdir()), capsys.readouterr().out
+    if not kept:
+        assert left == [] and "removed " in out
+        return
+    (scratch,) = left
+    assert (scratch / "run" / demo.MARKER).exists() and (scratch / "run-reference").exists()
+    assert ("kept " if ok else "the demo failed; kept for inspection: ") + str(scratch) in out
 
 
 def test_demo_judge_fails_a_run_that_did_not_continue() -> None:

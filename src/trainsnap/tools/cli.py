@@ -485,18 +485,29 @@ def diff_command(
 def demo_command(
     root: Annotated[
         str | None,
-        typer.Option(help="Where the run keeps its snapshots (default ./trainsnap-demo)."),
+        typer.Option(
+            help="Where the run keeps its snapshots, the reference run's beside it in "
+            "ROOT-reference (default: a temporary directory)."
+        ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 60,
     plot: Annotated[
         str | None, typer.Option(help="Also draw the loss curves into this PNG file.")
     ] = None,
+    keep: Annotated[
+        bool,
+        typer.Option(
+            "--keep",
+            help="Keep the temporary directory (worker logs; snapshots without --root), "
+            "which is otherwise removed unless the demo fails.",
+        ),
+    ] = False,
 ) -> None:
     """Train on 4 processes (data x tensor parallel), crash one rank in the middle of a save,
     resume on 2 processes, and prove the run continued the same trajectory."""
     from trainsnap.tools.demo import run_demo
 
-    code = run_demo(root, steps, plot)
+    code = run_demo(root, steps, plot, keep=keep)
     if code:
         raise typer.Exit(code)
 

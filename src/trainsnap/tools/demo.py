@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,7 +36,7 @@ from trainsnap.api.snapshots import list_snapshots
 from trainsnap.api.verification import verify_root
 from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
-from trainsnap.tools.plot import png_chart, text_chart
+from trainsnap.tools.plot import Mark, png_chart, text_chart
 
 TOLERANCE = 1e-3
 """Largest relative loss difference accepted after the resume. Changing the number of ranks
@@ -58,10 +59,31 @@ class Phase:
     killed: list[int] = field(default_factory=list)
 
 
-def _prepare_local_root(root: str) -> None:
+def _reference_root(root: str) -> str:
+    """The uninterrupted run's root: beside the demo's own (``DIR-reference``, or a sibling
+    prefix ``s3://bucket/prefix-reference`` on an object store)."""
+    base = root.rstrip("/")
+    scheme, _, rest = base.partition("://")
+    if rest and "/" not in rest and scheme != "file":
+        raise SystemExit(
+            f"--root {root} names a whole bucket; give it a prefix ({base}/demo): the "
+            "reference run is kept beside it, under the prefix with -reference appended"
+        )
+    return base + "-reference"
+
+
+def _local_path(root: str) -> Path | None:
+    if root.startswith("file://"):
+        return Path(urlparse(root).path)
+    return None if "://" in root else Path(root)
+
+
+def _prepare_local_roots(*roots: str) -> None:
     """A demo directory is ours to wipe; anything else that is not empty is refused."""
-    p = Path(root)
-    for d in (p, Path(root + "-reference")):
+    for root in roots:
+        d = _local_path(root)
+        if d is None:
+            continue
         if d.exists() and any(d.iterdir()) and not (d / MARKER).exists():
             raise SystemExit(f"{d} exists and is not a trainsnap demo directory; choose --root")
         shutil.rmtree(d, ignore_errors=True)
@@ -228,17 +250,7 @@ def _report(
         f"wall time: reference {ref.seconds:.0f} s, crashed {crash.seconds:.0f} s, "
         f"resumed {resume.seconds:.0f} s"
     )
-    ref_pts = [(s, r["loss"]) for s, r in sorted(_steps(ref).items())]
-    run_pts = [(s, r["loss"]) for s, r in sorted({**_steps(crash), **_steps(resume)}.items())]
-    series = [("uninterrupted (2x2)", ref_pts, "."), ("crashed + resumed", run_pts, "*")]
-    console.print(text_chart(series, marks=(crash.crash_at, verdict.restored_step + 1)))
-    if plot:
-        png = png_chart(
-            [("uninterrupted", ref_pts, "blue"), ("resumed", run_pts, "red")],
-            plot,
-            marks=(crash.crash_at, verdict.restored_step + 1),
-        )
-        console.print(f"plot: {png}")
+    _charts(console, ref, crash, resume, verdict.restored_step, plot)
     console.print(
         f"trajectory: samples after the resume {'identical' if verdict.ids_equal else 'DIFFER'}; "
         f"losses before the crash {'bitwise equal' if verdict.before_equal else 'DIFFER'}; "
@@ -256,6 +268,37 @@ def _report(
     )
 
 
+def _charts(
+    console: Console, ref: Phase, crash: Phase, resume: Phase, resumed_from: int, plot: str | None
+) -> None:
+    """The loss curves in the terminal, and in the PNG file ``plot`` if given."""
+    ref_pts = [(s, r["loss"]) for s, r in sorted(_steps(ref).items())]
+    run_pts = [(s, r["loss"]) for s, r in sorted({**_steps(crash), **_steps(resume)}.items())]
+    series = [("uninterrupted (2x2)", ref_pts, "."), ("crashed + resumed", run_pts, "*")]
+    console.print(text_chart(series, marks=(crash.crash_at, resumed_from)))
+    if not plot:
+        return
+    png = png_chart(
+        [
+            (f"uninterrupted reference run (dp={ref.dp} tp={ref.tp})", ref_pts, "blue"),
+            ("crashed + resumed run", run_pts, "orange"),
+        ],
+        plot,
+        title="trainsnap demo: loss per step, crashed + resumed vs. uninterrupted",
+        x_label="step",
+        y_label="loss",
+        marks=[
+            Mark(crash.crash_at, f"crash at step {crash.crash_at}", "red"),
+            Mark(
+                resumed_from,
+                f"resume from step {resumed_from} on dp={resume.dp} tp={resume.tp}",
+                "green",
+            ),
+        ],
+    )
+    console.print(f"plot: {png}")
+
+
 def _referenced(storage: Any) -> set[str]:
     out: set[str] = set()
     for c in commit.list_committed(storage):
@@ -263,18 +306,54 @@ def _referenced(storage: Any) -> set[str]:
     return out
 
 
-def run_demo(root: str | None, steps: int, plot: str | None) -> int:
-    """The whole demo; returns the exit status."""
-    console = Console()
+def _schedule(steps: int) -> tuple[int, int]:
+    """How often the demo saves, and the step whose save it crashes in."""
     save_every = max(2, steps // 6)
     crash_at = save_every * max(2, (steps // save_every) * 2 // 3)
     if crash_at >= steps:
         raise SystemExit(f"--steps {steps} is too short for a crash and a resume; use >= 12")
-    root = root or str(Path("trainsnap-demo").absolute())
-    if "://" not in root or root.startswith("file://"):
-        _prepare_local_root(root)
-    work = Path(tempfile.mkdtemp(prefix="trainsnap-demo-"))
-    ref = Phase("reference", 2, 2, root + "-reference")
+    return save_every, crash_at
+
+
+def run_demo(root: str | None, steps: int, plot: str | None, *, keep: bool = False) -> int:
+    """The whole demo; returns the exit status.
+
+    Its worker logs -- and its snapshots too, unless ``root`` is given -- go to a fresh
+    temporary directory, removed at the end unless ``keep`` or the demo failed (then it is
+    kept, and named, for inspection).
+    """
+    console = Console()
+    _schedule(steps)  # refuse bad arguments before making anything
+    if root is not None:
+        _prepare_local_roots(root, _reference_root(root))
+    scratch = Path(tempfile.mkdtemp(prefix="trainsnap-demo-"))
+    run_root = root or str(scratch / "run")
+    if root is None:
+        _prepare_local_roots(run_root, _reference_root(run_root))
+    console.print(
+        f"temporary directory: {scratch} ("
+        + ("snapshots and " if root is None else "")
+        + "worker logs; removed at the end unless --keep or the demo fails)",
+        soft_wrap=True,
+    )
+    ok = False
+    try:
+        ok = _demo(console, run_root, steps, plot, scratch / "logs")
+    finally:
+        if ok and not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+            console.print(f"removed {scratch}", soft_wrap=True)
+        else:
+            why = "kept" if ok else "the demo failed; kept for inspection:"
+            console.print(f"{why} {scratch} (worker logs in {scratch / 'logs'})", soft_wrap=True)
+    return 0 if ok else 1
+
+
+def _demo(console: Console, root: str, steps: int, plot: str | None, work: Path) -> bool:
+    """Run the three phases and report; whether the run continued the same trajectory."""
+    save_every, crash_at = _schedule(steps)
+    work.mkdir()
+    ref = Phase("reference", 2, 2, _reference_root(root))
     crash = Phase("crashed", 2, 2, root, crash_at=crash_at)
     resume = Phase("resumed", 2, 1, root)
     console.print(
@@ -293,5 +372,5 @@ def run_demo(root: str | None, steps: int, plot: str | None) -> int:
             _run(phase, steps, save_every, work, progress)
     verdict = _judge(ref, crash, resume)
     _report(console, ref, crash, resume, verdict, plot)
-    console.print(f"demo took {time.monotonic() - t0:.0f} s; worker logs in {work}")
-    return 0 if verdict.ok else 1
+    console.print(f"demo took {time.monotonic() - t0:.0f} s")
+    return verdict.ok
