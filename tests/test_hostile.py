@@ -256,3 +256,42 @@ def test_a_fifo_or_directory_where_an_object_should_be_is_corrupt(
         ts.load(_destination(), tmp_path, snapshot=sid)
     with pytest.raises(ts.CorruptError):
         ts.verify(tmp_path)
+
+
+# -- decompression bombs ----------------------------------------------------------------------
+
+
+def _zeros_frame(nbytes: int, declare: bool) -> bytes:
+    """A zstd frame of ``nbytes`` zeros, a few KiB long, declaring its size or not."""
+    import zstandard
+
+    compressor = zstandard.ZstdCompressor().compressobj(size=nbytes if declare else -1)
+    chunk = bytes(1 << 20)
+    parts = [compressor.compress(chunk) for _ in range(nbytes >> 20)]
+    return b"".join([*parts, compressor.flush()])
+
+
+def test_a_frame_declaring_more_than_its_block_is_refused_before_decoding() -> None:
+    """Finding 4: a 32 KiB frame declaring 1 GiB, stored as a 1 MiB block, was decompressed
+    (1.29 GB peak) before the size check; the binding ignores max_output_size then."""
+    from trainsnap.format import compression
+
+    bomb = _zeros_frame(256 << 20, declare=True)
+    assert len(bomb) < 64 << 10
+    with pytest.raises(ValueError, match="declares 268435456 bytes"):
+        compression.decompress_block(bomb, "zstd", 1 << 20)
+
+
+def test_a_frame_that_hides_its_size_decodes_no_more_than_its_block() -> None:
+    from trainsnap.format import compression
+
+    with pytest.raises(ValueError, match="expected 1048576"):
+        compression.decompress_block(_zeros_frame(64 << 20, declare=False), "zstd", 1 << 20)
+
+
+def test_a_malformed_frame_is_a_value_error_not_a_zstd_error() -> None:
+    """Finding 7: malformed frames raised ZstdError past every handler."""
+    from trainsnap.format import compression
+
+    with pytest.raises(ValueError, match="malformed"):
+        compression.decompress_block(b"\x28\xb5\x2f\xfd" + b"\xff" * 40, "zstd", 64)

@@ -11,7 +11,7 @@ bytes and, once decoded, by the checksum of the data.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -64,12 +64,36 @@ def compress_block(block: memoryview, codec: str) -> bytes:
 
 
 def decompress_block(frame: bytes | memoryview, codec: str, size: int) -> bytes:
-    zstandard = _zstd()
-    data = zstandard.ZstdDecompressor().decompress(bytes(frame), max_output_size=size)  # type: ignore[attr-defined]
+    """The ``size`` bytes a frame holds. Never produces more than ``size + 1`` bytes, whatever the
+    frame declares (a small frame can claim gigabytes: the binding's ``max_output_size`` is
+    ignored when a frame declares its size); ``ValueError`` for a frame that is malformed or does
+    not decode to exactly ``size`` bytes."""
+    zstandard: Any = _zstd()
+    try:
+        declared = zstandard.frame_content_size(bytes(frame[:18]))
+        if declared > size:
+            raise ValueError(f"frame declares {declared} bytes, its block holds {size}")
+        data = _read_bounded(zstandard.ZstdDecompressor(), bytes(frame), size + 1)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"malformed zstd frame ({e})") from e
     if len(data) != size:
         raise ValueError(f"frame decodes to {len(data)} bytes, expected {size}")
     width = group_width(codec)
-    return _ungroup(data, width, size) if width > 1 else bytes(data)
+    return _ungroup(data, width, size) if width > 1 else data
+
+
+def _read_bounded(decompressor: Any, frame: bytes, limit: int) -> bytes:
+    """Decode at most ``limit`` bytes of ``frame``, streaming."""
+    parts: list[bytes] = []
+    got = 0
+    with decompressor.stream_reader(frame) as reader:
+        while got < limit:
+            part = reader.read(limit - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    return b"".join(parts)
 
 
 def codec_for(compression: str | None, itemsize: int) -> str:
