@@ -295,3 +295,28 @@ def test_a_malformed_frame_is_a_value_error_not_a_zstd_error() -> None:
 
     with pytest.raises(ValueError, match="malformed"):
         compression.decompress_block(b"\x28\xb5\x2f\xfd" + b"\xff" * 40, "zstd", 64)
+
+
+# -- import-dcp never runs code from a checkpoint ---------------------------------------------
+
+
+class _Payload:
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.canary}",))
+
+
+def test_import_dcp_refuses_a_metadata_pickle_that_would_run_code(tmp_path: Path) -> None:
+    """Finding 5: import-dcp pickle.load-ed the DCP .metadata; a crafted one ran a command."""
+    import pickle
+
+    dcp_dir, canary = tmp_path / "dcp", tmp_path / "canary"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(_Payload(canary)))
+    out = _cli("import-dcp", str(dcp_dir), str(tmp_path / "root"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "system" in out.stdout + out.stderr and "--trust-pickle" in out.stdout + out.stderr
+    assert not canary.exists()
+    assert "--trust-pickle" in _cli("import-dcp", "--help").stdout

@@ -437,10 +437,21 @@ def import_dcp_command(
     ],
     root: RootArg,
     step: Annotated[int, typer.Option(min=0, help="The step the snapshot records.")] = 0,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle",
+            help="Unpickle DCP_DIR/.metadata without restriction. By default only torch's DCP "
+            "metadata classes and plain builtins are built, so a crafted checkpoint cannot run "
+            "code; use this only for a checkpoint you trust.",
+        ),
+    ] = False,
 ) -> None:
-    """Import a torch.distributed.checkpoint directory as a committed snapshot of ROOT."""
+    """Import a torch.distributed.checkpoint directory as a committed snapshot of ROOT.
+
+    The DCP metadata is a pickle: it is read with an allow-list (see --trust-pickle)."""
     with _bar("importing") as progress:
-        info = import_dcp(dcp_dir, root, step=step, progress=progress)
+        info = import_dcp(dcp_dir, root, step=step, progress=progress, trust_pickle=trust_pickle)
     m = commit.open_snapshot(open_storage(root), info.id)
     _say(
         f"imported {dcp_dir} as snapshot {info.id} (step {info.step}): "

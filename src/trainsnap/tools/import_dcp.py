@@ -56,6 +56,7 @@ from trainsnap.protocol import commit
 from trainsnap.protocol.assemble import library_versions, now_iso
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, Storage, open_storage
+from trainsnap.tools.dcp_metadata import read_metadata
 
 log = logging.getLogger("trainsnap.importdcp")
 
@@ -253,9 +254,7 @@ class _Collected:
     skipped: list[str]
 
 
-def _read_metadata(base: Path) -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
+def _read_metadata(base: Path, trust_pickle: bool) -> Any:
     if not (base / ".metadata").is_file():
         raise NotFoundError(
             f"{base} is not a torch.distributed.checkpoint directory (no .metadata file); give "
@@ -263,7 +262,9 @@ def _read_metadata(base: Path) -> Any:
             path=str(base),
         )
     try:
-        return FileSystemReader(str(base)).read_metadata()
+        return read_metadata(base / ".metadata", trust=trust_pickle)
+    except TrainsnapError:
+        raise
     except Exception as e:
         raise CorruptError(
             f"DCP checkpoint {base}: its .metadata cannot be read ({type(e).__name__}: {e}); "
@@ -491,19 +492,21 @@ def import_dcp(
     *,
     step: int = 0,
     progress: Progress | None = None,
+    trust_pickle: bool = False,
 ) -> SnapshotInfo:
     """Turn the DCP directory ``dcp_dir`` into a committed snapshot of ``root`` at ``step``.
 
     Every tensor chunk becomes a box shard of its logical tensor (keys are DCP's flattened
     names, e.g. ``model.layers.0.weight``), so the snapshot loads with ``ts.load`` on any
     topology. Non-tensor entries that are plain data become values; others are skipped with a
-    warning. The DCP ``.metadata`` is a pickle, read by torch's own reader: import only
-    checkpoints you trust, as ``dcp.load`` would.
+    warning. The DCP ``.metadata`` is a pickle: it is read with an allow-list of torch's DCP
+    metadata classes and plain builtins, and a file naming anything else is refused
+    (``IncompatibleError``) unless ``trust_pickle`` -- only for checkpoints you trust.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
     base = Path(dcp_dir)
-    md = _read_metadata(base)
+    md = _read_metadata(base, trust_pickle)
     storage = open_storage(root)
     hasher = Hasher(block_size=tunables.get().block_size)
     with _open_files(base) as files:
