@@ -19,7 +19,7 @@ from trainsnap.format import encoding
 from trainsnap.format.manifest import Manifest
 from trainsnap.manager import collection
 from trainsnap.protocol import commit
-from trainsnap.storage import open_storage
+from trainsnap.storage import PosixStorage, open_storage
 
 BIG = 2**63 - 1
 
@@ -38,7 +38,7 @@ def _destination() -> dict:
         "w": torch.zeros(20, 30),
         "b": torch.zeros(7, dtype=torch.bfloat16),
         "c": torch.zeros(5, dtype=torch.int64),
-        "cfg": {},
+        "cfg": {"lr": 0.0, "names": None},
     }
 
 
@@ -320,3 +320,129 @@ def test_import_dcp_refuses_a_metadata_pickle_that_would_run_code(tmp_path: Path
     assert "system" in out.stdout + out.stderr and "--trust-pickle" in out.stdout + out.stderr
     assert not canary.exists()
     assert "--trust-pickle" in _cli("import-dcp", "--help").stdout
+
+
+# -- deep JSON, huge markers, unrenderable summaries, ids with a newline ------------------------
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def _two_snapshots(root: Path) -> tuple[str, str]:
+    return ts.save(_state(), root, step=1).id, ts.save(_state(), root, step=2).id
+
+
+def _reseal_marker(root: Path, sid: str, edit: Callable[[dict], None]) -> None:
+    """Rewrite snapshot ``sid``'s marker after ``edit`` changed its document, with a manifest
+    size and digest that match the manifest as it now is."""
+    import json
+
+    from trainsnap.format.checksums import Hasher
+
+    marker_path = root / "snapshots" / sid / "COMMITTED"
+    doc = json.loads(marker_path.read_bytes())
+    manifest = next((root / "snapshots" / sid).glob("manifest*")).read_bytes()
+    hasher = Hasher(doc["manifest"]["algorithm"])
+    doc["manifest"].update(size=len(manifest), digest=hasher.digest(manifest).hex())
+    edit(doc)
+    marker_path.write_text(json.dumps(doc))
+
+
+def _only_the_first_is_listed_and_loaded(root: Path, first: str) -> None:
+    assert [s.id for s in ts.list_snapshots(root)] == [first]
+    assert ts.load(_destination(), root).id == first
+    out = _cli("ls", str(root))
+    assert out.returncode == 0 and first in out.stdout, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_marker_nested_100000_deep_breaks_only_its_own_snapshot(tmp_path: Path) -> None:
+    """Finding 7: one such marker broke ls, verify, gc and load latest for the whole root
+    with a RecursionError."""
+    first, second = _two_snapshots(tmp_path)
+    (tmp_path / "snapshots" / second / "COMMITTED").write_bytes(DEEP)
+    _only_the_first_is_listed_and_loaded(tmp_path, first)
+    with pytest.raises(ts.CorruptError, match="nested too deeply"):
+        commit.committed_marker(open_storage(tmp_path), second)
+
+
+def test_a_manifest_header_nested_100000_deep_is_corrupt(tmp_path: Path) -> None:
+    first, second = _two_snapshots(tmp_path)
+    manifest = next((tmp_path / "snapshots" / second).glob("manifest*"))
+    manifest.write_bytes(encoding.MAGIC + len(DEEP).to_bytes(8, "little") + DEEP)
+    _reseal_marker(tmp_path, second, lambda doc: None)
+    with pytest.raises(ts.CorruptError, match="nested too deeply"):
+        ts.load(_destination(), tmp_path, snapshot=second)
+    with ts.CheckpointManager(tmp_path, options=ts.ManagerOptions(preemption_signals=())) as mgr:
+        assert mgr.restore(_destination()).id == first  # falls back past it
+
+
+def test_a_value_nested_100000_deep_is_an_error_of_that_value() -> None:
+    from trainsnap.format import values
+
+    with pytest.raises(ts.TrainsnapError, match="nested too deeply"):
+        values.decode(values.JSON, DEEP, "cfg", allow_pickle=False, snapshot_id="s")
+
+
+def test_a_gigantic_marker_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """Finding 11: a 1 GiB marker took ls to 2.28 GB and 9 s."""
+    first, second = _two_snapshots(tmp_path)
+    with (tmp_path / "snapshots" / second / "COMMITTED").open("wb") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    _only_the_first_is_listed_and_loaded(tmp_path, first)
+
+    class Counting(PosixStorage):
+        read = 0
+
+        def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+            data = super().get(key, start, end)
+            Counting.read += len(data)
+            return data
+
+    assert [s.id for s in ts.list_snapshots(Counting(tmp_path))] == [first]
+    assert Counting.read < 1 << 20  # the huge marker was never read
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("created", "0001-01-01T00:00:00-05:00"), ("nbytes", 10**400), ("created", "x" * 10**4)],
+)
+def test_a_marker_summary_a_listing_cannot_render_is_corrupt(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Finding 9: year 1 with an offset, or nbytes 10^400, passed the summary check and then
+    overflowed when rendered, breaking `trainsnap ls` of the whole root."""
+    first, second = _two_snapshots(tmp_path)
+    _reseal_marker(tmp_path, second, lambda doc: doc["summary"].update({field: value}))
+    _only_the_first_is_listed_and_loaded(tmp_path, first)
+
+
+def test_ids_and_keys_with_a_trailing_newline_are_refused() -> None:
+    """Finding 10: the checks used `$`, which accepts a trailing newline."""
+    from trainsnap.format.manifest import check_snapshot_id
+    from trainsnap.storage.base import check_key
+
+    check_snapshot_id("step-000000000001-abcd")
+    with pytest.raises(ts.TrainsnapError):
+        check_snapshot_id("step-000000000001-abcd\n")
+    with pytest.raises(ts.TrainsnapError):
+        check_key("objects/ab\n")
+
+
+def test_a_value_larger_than_its_objects_is_corrupt_before_it_is_allocated(
+    tmp_path: Path,
+) -> None:
+    """Finding 8: a value's declared size was allocated before it was read (a 17 KiB manifest
+    allocated 1.29 GB). The value's chunks here all name one region many times over."""
+
+    def mutate(manifest: Manifest) -> None:
+        last = len(manifest.chunk_length) - 1
+        copies = 2000
+        for name in ("chunk_object", "chunk_offset", "chunk_length"):
+            column = getattr(manifest, name)
+            setattr(manifest, name, np.concatenate([column, np.repeat(column[last:], copies)]))
+        manifest.value_nchunks[-1] += copies
+        manifest._derived.clear()
+
+    sid = _hostile_root(tmp_path, mutate)
+    with pytest.raises(ts.CorruptError, match="overlapping"):
+        ts.load(_destination(), tmp_path, snapshot=sid)

@@ -216,16 +216,19 @@ def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
     for vi, key in enumerate(manifest.value_keys):
         if manifest.value_codecs[vi] != "json":
             continue
-        n = reader.payload_size(base + vi)
-        buf = bytearray(n)
         try:
+            n = reader.checked_payload_size(base + vi, key)
+            buf = bytearray(n)
             reader.read_payload(base + vi, 0, n, memoryview(buf), key)
             json.loads(bytes(buf))
         except TrainsnapError:
             continue  # the object check reports the damage
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
             out.append(
-                Problem(CorruptError, manifest.snapshot_id, f"value {key!r} is not valid JSON: {e}")
+                Problem(
+                    CorruptError, manifest.snapshot_id, f"value {key!r} is not valid JSON: {why}"
+                )
             )
     return out
 

@@ -5,6 +5,7 @@ of extra bytes at each end.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -32,7 +33,10 @@ class Reader:
     def _block(self) -> memoryview:
         buf = getattr(self._scratch, "buf", None)
         if buf is None:
-            buf = self._scratch.buf = memoryview(bytearray(self.m.block_size))
+            # no block is larger than the largest object: a crafted block size costs nothing
+            sizes = self.m.object_sizes
+            largest = int(sizes.max()) if len(sizes) else 0
+            buf = self._scratch.buf = memoryview(bytearray(min(self.m.block_size, largest)))
         return buf
 
     def _fail(self, obj: int, what: str, key: str) -> CorruptError:
@@ -188,3 +192,29 @@ class Reader:
 
     def payload_size(self, owner: int) -> int:
         return sum(int(self.m.chunk_length[c]) for c in self.m.chunks_of(owner))
+
+    def checked_payload_size(self, owner: int, key: str) -> int:
+        """The payload's size, once the objects it lives in are known to hold it: each object
+        is as large as recorded, and the payload's chunks do not overlap. A caller may then
+        allocate that many bytes: a crafted manifest cannot make it allocate more than the
+        stored objects hold."""
+        spans = sorted(
+            (int(self.m.chunk_object[c]), int(self.m.chunk_offset[c]), int(self.m.chunk_length[c]))
+            for c in self.m.chunks_of(owner)
+        )
+        for obj in sorted({obj for obj, _, _ in spans}):
+            name = object_key(self.m.object_names[obj])
+            try:
+                actual = self.storage.stat(name)
+            except NotRegularFileError as e:
+                raise self._fail(
+                    obj, f"is not a regular file of the root ({e.strerror})", key
+                ) from e
+            except FileNotFoundError as e:
+                raise self._fail(obj, "is missing", key) from e
+            if actual < int(self.m.stored()[obj]):
+                raise self._fail(obj, "is truncated", key)
+        for (obj_a, start_a, length_a), (obj_b, start_b, _) in itertools.pairwise(spans):
+            if obj_a == obj_b and start_a + length_a > start_b:
+                raise self._fail(obj_a, "holds overlapping chunks of one payload", key)
+        return sum(length for _, _, length in spans)

@@ -37,7 +37,7 @@ from trainsnap.format.manifest import (
 )
 from trainsnap.format.values import itemsize
 
-_HEX_RE: Final = re.compile(r"^[0-9a-f]+$")
+_HEX_RE: Final = re.compile(r"[0-9a-f]+")
 
 
 def as_dict(value: object, what: str) -> dict[str, Any]:
@@ -231,6 +231,11 @@ def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
             doc, body = unpack(data)
         else:
             doc = json.loads(data)
+    except RecursionError:
+        raise CorruptError(
+            f"manifest of snapshot {sid} is not a valid manifest: its header is nested too deeply",
+            snapshot_id=snapshot_id,
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptError(
             f"manifest of snapshot {sid} is not a valid manifest: {e}", snapshot_id=snapshot_id
@@ -454,7 +459,7 @@ def _validate_objects(manifest: Manifest) -> list[str]:
         return [f"objects table columns disagree in length ({n} names)"]
     width = manifest.hasher.name_length()
     if manifest.format_version == 1:  # format 2 names are made from raw digest bytes: hex by design
-        bad = [x for x in manifest.object_names if len(x) != width or not _HEX_RE.match(x)]
+        bad = [x for x in manifest.object_names if len(x) != width or not _HEX_RE.fullmatch(x)]
         if bad:
             p.append(
                 f"{len(bad)} object names are not {width}-digit lowercase hex, e.g. {bad[0]!r}"

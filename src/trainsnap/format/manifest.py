@@ -48,14 +48,14 @@ VALUE_CODECS: Final = ("json", "pickle")
 BOX: Final = 0
 FLAT: Final = 1
 
-_ID_RE: Final = re.compile(r"^step-[0-9]{12,20}-[0-9a-z]{4,32}$")
+_ID_RE: Final = re.compile(r"step-[0-9]{12,20}-[0-9a-z]{4,32}")
 
 I64 = npt.NDArray[np.int64]
 
 
 def check_snapshot_id(snapshot_id: object) -> str:
     """The id if it is well formed; a crafted id could otherwise name a path outside the root."""
-    if not isinstance(snapshot_id, str) or not _ID_RE.match(snapshot_id):
+    if not isinstance(snapshot_id, str) or not _ID_RE.fullmatch(snapshot_id):
         raise IncompatibleError(
             f"{snapshot_id!r} is not a trainsnap snapshot id (expected step-<12 digits>-<suffix>)",
             snapshot_id=str(snapshot_id),

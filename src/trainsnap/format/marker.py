@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, Final
 
 from trainsnap.errors import CorruptError, IncompatibleError, TrainsnapError
 from trainsnap.format.checksums import Hasher
@@ -58,7 +59,21 @@ def encode_marker(manifest: Manifest, manifest_bytes: bytes, writer: Mapping[str
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
+MAX_MARKER_BYTES: Final = 1 << 20
+"""A marker is a few hundred bytes; one larger than this is refused before it is parsed."""
+
+
+def _reason(error: Exception) -> str:
+    return "nested too deeply" if isinstance(error, RecursionError) else str(error)
+
+
 def decode_marker(data: bytes, snapshot_id: str) -> Marker:
+    if len(data) > MAX_MARKER_BYTES:
+        raise CorruptError(
+            f"commit marker of snapshot {snapshot_id} is {len(data)} bytes, more than a marker "
+            f"may be ({MAX_MARKER_BYTES}): it is not one",
+            snapshot_id=snapshot_id,
+        )
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT:
@@ -90,9 +105,10 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
         )
     except TrainsnapError:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptError(
-            f"commit marker of snapshot {snapshot_id} is malformed: {e}", snapshot_id=snapshot_id
+            f"commit marker of snapshot {snapshot_id} is malformed: {_reason(e)}",
+            snapshot_id=snapshot_id,
         ) from e
     if marker.snapshot_id != snapshot_id:
         raise CorruptError(
@@ -107,17 +123,21 @@ def _check_summary(shard: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
     agree with the id (a verifier also checks them against the manifest)."""
     step, nbytes, tokens = shard.get("step"), shard.get("nbytes"), shard.get("tokens_seen")
     for name, v in (("step", step), ("nbytes", nbytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"summary.{name}: expected a non-negative integer, got {v!r}")
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
-        raise ValueError(f"summary.tokens_seen: expected an integer or null, got {tokens!r}")
-    if not isinstance(shard.get("created"), str):
-        raise ValueError("summary.created: expected a string")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _LIMIT:
+            raise ValueError(f"summary.{name}: expected an integer in [0, 2^62), got {v!r}")
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < _LIMIT
+    ):
+        raise ValueError("summary.tokens_seen: expected an integer in [0, 2^62) or null")
+    _check_created(shard.get("created"))
     if shard.get("level") not in LEVELS:
         raise ValueError(f"summary.level: expected one of {LEVELS}, got {shard.get('level')!r}")
     metrics = shard.get("metrics", {})
     if not isinstance(metrics, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        isinstance(k, str)
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and abs(v) < 1e300
         for k, v in metrics.items()
     ):
         raise ValueError("summary.metrics: expected an object of numbers")
@@ -127,6 +147,22 @@ def _check_summary(shard: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
     if step != id_step(snapshot_id):
         raise ValueError(f"summary.step {step} disagrees with the snapshot id {snapshot_id}")
     return shard
+
+
+_LIMIT: Final = 1 << 62
+
+
+def _check_created(created: object) -> None:
+    """An ISO time a listing can render: with an offset, in the years 1970-9999."""
+    if not isinstance(created, str) or len(created) > 64:
+        raise ValueError("summary.created: expected an ISO time string")
+    try:
+        moment = datetime.fromisoformat(created.replace("Z", "+00:00"))
+        moment.astimezone(timezone.utc)
+    except (ValueError, OverflowError) as e:
+        raise ValueError(f"summary.created: {created!r} is not a usable ISO time ({e})") from e
+    if not 1970 <= moment.year <= 9999:
+        raise ValueError(f"summary.created: year {moment.year} outside 1970-9999")
 
 
 def check_manifest_bytes(marker: Marker, data: bytes) -> None:

@@ -122,9 +122,10 @@ def decode(codec: str, data: bytes, key: str, *, allow_pickle: bool, snapshot_id
     if codec == JSON:
         try:
             return _dec(json.loads(data))
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise IncompatibleError(
-                f"value {key!r} of snapshot {snapshot_id} is not valid trainsnap JSON: {e}",
+                f"value {key!r} of snapshot {snapshot_id} is not valid trainsnap JSON: {why}",
                 snapshot_id=snapshot_id,
                 key=key,
             ) from e

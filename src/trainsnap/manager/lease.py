@@ -59,7 +59,7 @@ def released_newest(storage: Storage, generation: int) -> str | None:
     """The newest snapshot the released writer ``generation`` committed, if it said."""
     try:
         doc = json.loads(storage.get(f"{_REL}{generation:012d}"))
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, RecursionError):
         return None
     newest = doc.get("newest") if isinstance(doc, dict) else None
     return newest if isinstance(newest, str) else None
@@ -130,7 +130,7 @@ def events(storage: Storage) -> list[dict[str, Any]]:
     for key in sorted(storage.list("events/")):
         try:
             out.append(json.loads(storage.get(key)))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
     return out
 

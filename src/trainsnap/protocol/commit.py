@@ -38,7 +38,13 @@ from trainsnap.format.manifest import (
     manifest_keys,
     marker_key,
 )
-from trainsnap.format.marker import Marker, check_manifest_bytes, decode_marker, encode_marker
+from trainsnap.format.marker import (
+    MAX_MARKER_BYTES,
+    Marker,
+    check_manifest_bytes,
+    decode_marker,
+    encode_marker,
+)
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -92,6 +98,13 @@ def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
     """
     check_snapshot_id(snapshot_id)
     try:
+        if storage.stat(marker_key(snapshot_id)) > MAX_MARKER_BYTES:  # never read a huge one
+            raise CorruptError(
+                f"commit marker of snapshot {snapshot_id} is larger than a marker may be "
+                f"({MAX_MARKER_BYTES} bytes): it is not one",
+                snapshot_id=snapshot_id,
+                path=marker_key(snapshot_id),
+            )
         raw = storage.get(marker_key(snapshot_id))
     except FileNotFoundError:
         if not any(_exists(storage, k) for k in manifest_keys(snapshot_id)):

@@ -284,7 +284,7 @@ def read_values(
     for v in targets.values:
         vi = manifest.find_value(v.key, rank)
         assert vi is not None  # match() checked
-        n = reader.payload_size(base + vi)
+        n = reader.checked_payload_size(base + vi, v.key)
         buf = bytearray(n)
         reader.read_payload(base + vi, 0, n, memoryview(buf), v.key)
         value = values.decode(
@@ -305,7 +305,7 @@ def read_value(storage: Storage, manifest: Manifest, key: str, rank: int) -> Any
         raise NotFoundError(f"snapshot {manifest.snapshot_id} has no value {key!r}", key=key)
     reader = Reader(storage, manifest)
     owner = manifest.value_chunk_base() + vi
-    n = reader.payload_size(owner)
+    n = reader.checked_payload_size(owner, key)
     buf = bytearray(n)
     reader.read_payload(owner, 0, n, memoryview(buf), key)
     return values.decode(

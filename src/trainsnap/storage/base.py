@@ -22,7 +22,7 @@ from trainsnap.errors import InvalidArgumentError
 
 Buffer = bytes | bytearray | memoryview
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class ShortReadError(OSError):
@@ -46,7 +46,7 @@ def check_key(key: str) -> str:
         raise InvalidArgumentError(f"storage key {key!r} is empty or not a string", key=str(key))
     parts = key.split("/")
     for part in parts:
-        if part in ("", ".", "..") or not _SEGMENT.match(part):
+        if part in ("", ".", "..") or not _SEGMENT.fullmatch(part):
             raise InvalidArgumentError(
                 f"storage key {key!r} is not a plain relative path (segment {part!r})", key=key
             )
