@@ -446,3 +446,45 @@ def test_a_value_larger_than_its_objects_is_corrupt_before_it_is_allocated(
     sid = _hostile_root(tmp_path, mutate)
     with pytest.raises(ts.CorruptError, match="overlapping"):
         ts.load(_destination(), tmp_path, snapshot=sid)
+
+
+@pytest.mark.parametrize(
+    ("document", "why"),
+    [
+        (b'{"$dict": [[1, 2], [1, 3]]}', "repeats the key 1"),
+        (b'{"$tuple": {"a": 1}}', "holds a dict"),
+        (b'{"$dict": {"a": 1}}', "pairs"),
+    ],
+)
+def test_malformed_tagged_values_are_refused_not_decoded_silently(
+    document: bytes, why: str
+) -> None:
+    """Finding 12: a $dict with duplicate keys and a $tuple of a dict decoded silently."""
+    from trainsnap.format import values
+
+    with pytest.raises(ts.TrainsnapError, match=why):
+        values.decode(values.JSON, document, "cfg", allow_pickle=False, snapshot_id="s")
+
+
+def test_a_strict_load_with_malformed_rng_state_applies_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 12: malformed RNG state raised a raw ValueError after the model and optimizer
+    were already restored."""
+    from trainsnap.state import rng
+
+    def bad_capture() -> dict:
+        state = real_capture()
+        state["python"]["version"] = 99  # right shape, refused by random.setstate
+        return state
+
+    real_capture = rng.capture
+    model = torch.nn.Linear(4, 3)
+    monkeypatch.setattr(rng, "capture", bad_capture)
+    ts.save(ts.TrainState(model=model), tmp_path, step=1)
+    monkeypatch.setattr(rng, "capture", real_capture)
+    fresh = torch.nn.Linear(4, 3)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(ts.CorruptError, match="RNG state cannot be restored"):
+        ts.load(ts.TrainState(model=fresh), tmp_path)
+    assert torch.equal(fresh.weight, before) and not torch.equal(fresh.weight, model.weight)

@@ -73,6 +73,8 @@ def _dec(value: Any) -> Any:
     if len(value) == 1:
         ((tag, body),) = value.items()
         if tag == "$tuple":
+            if not isinstance(body, list):
+                raise ValueError(f"$tuple holds a {type(body).__name__}, not a list")
             return tuple(_dec(x) for x in body)
         if tag == "$float":
             return float(body)
@@ -83,10 +85,25 @@ def _dec(value: Any) -> Any:
         if tag == "$dtype":
             return dtype_from_name(body)
         if tag == "$dict":
-            return {k: _dec(x) for k, x in body}
+            return _dec_pairs(body)
     if any(isinstance(k, str) and k.startswith("$") for k in value):
         raise ValueError(f"unknown tag in plain value: {sorted(value)}")
     return {k: _dec(x) for k, x in value.items()}
+
+
+def _dec_pairs(body: Any) -> dict[Any, Any]:
+    """A ``$dict`` (a dict with non-string keys): a list of distinct [key, value] pairs."""
+    if not isinstance(body, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 for pair in body
+    ):
+        raise ValueError("$dict holds something other than a list of [key, value] pairs")
+    out = {}
+    for raw_key, item in body:
+        key = _dec(raw_key)
+        if key in out:
+            raise ValueError(f"$dict repeats the key {key!r}")
+        out[key] = _dec(item)
+    return out
 
 
 def is_plain(value: Any) -> bool:

@@ -120,6 +120,8 @@ def _load(
                 same_world=world == comm.world_size,
             )
             nread = ev["bytes"] = reader.bytes_read
+        if isinstance(state, TrainState):
+            state.check_loaded(tree)
     except TrainsnapError as e:
         if comm.world_size == 1:
             raise

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainsnap.errors import CorruptError
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -74,6 +76,51 @@ def capture() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
+
+
+def check_plain(read_value: Any) -> None:
+    """Raise :class:`CorruptError` unless the plain parts of a saved RNG state (Python's state,
+    NumPy's scalars), read through ``read_value(key)``, would restore: checked before a load
+    reads any tensor, since tensors are filled in place."""
+    python = {name: read_value(f"rng.python.{name}") for name in ("version", "state", "gauss")}
+    numpy = {
+        name: read_value(f"rng.numpy.{name}") for name in ("name", "pos", "has_gauss", "gauss")
+    }
+    check(
+        {
+            "python": python,
+            "numpy": {**numpy, "keys": torch.zeros(624, dtype=torch.int64)},
+            "torch": torch.get_rng_state(),
+        }
+    )
+
+
+def check(state: dict[str, Any]) -> None:
+    """Raise :class:`CorruptError` unless :func:`restore` would accept ``state``: it is tried
+    on fresh generators, so a load can refuse it before it applies anything else."""
+    try:
+        py = state["python"]
+        random.Random().setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.RandomState().set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
+        torch.Generator().set_state(state["torch"])
+        cuda = state.get("cuda")
+        if (
+            cuda is not None
+            and torch.cuda.is_available()
+            and len(cuda) != torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"it holds CUDA RNG state of {len(cuda)} devices, this process sees "
+                f"{torch.cuda.device_count()}"
+            )
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as e:
+        raise CorruptError(
+            f"the snapshot's RNG state cannot be restored ({type(e).__name__}: {e}); nothing was "
+            "applied. Load at level 'training' to skip it, or restore an older snapshot",
+            key="rng",
+        ) from e
 
 
 def restore(state: dict[str, Any]) -> None:

@@ -268,6 +268,8 @@ class TrainState:
             for why in self._version_changes(manifest):
                 log.warning("snapshot %s: %s", manifest.snapshot_id, why)
         tree = self._template(reached, snap)
+        if "rng" in tree:  # before any tensor is filled in place
+            rng_mod.check_plain(read_value)
         return LoadPlan(tree, reached, problems[asked])
 
     def _problems(
@@ -346,8 +348,16 @@ class TrainState:
             }
         return tree
 
+    def check_loaded(self, tree: dict[str, Any]) -> None:
+        """Raise unless every part of a loaded ``tree`` that can be checked without applying it
+        will apply (the RNG state is tried on fresh generators): a load refuses on every rank
+        before any object is changed."""
+        if "rng" in tree:
+            rng_mod.check(tree["rng"])
+
     def apply(self, tree: dict[str, Any]) -> None:
-        """Give every object its loaded state back (after a load filled ``tree``)."""
+        """Give every object its loaded state back (after a load filled ``tree`` and
+        :meth:`check_loaded` accepted it on every rank)."""
         if "model" in tree:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
