@@ -488,3 +488,14 @@ def test_a_strict_load_with_malformed_rng_state_applies_nothing(
     with pytest.raises(ts.CorruptError, match="RNG state cannot be restored"):
         ts.load(ts.TrainState(model=fresh), tmp_path)
     assert torch.equal(fresh.weight, before) and not torch.equal(fresh.weight, model.weight)
+
+
+def test_export_to_a_file_is_one_line_of_error_not_a_traceback(tmp_path: Path) -> None:
+    """Finding 12: `export` to an OUT that is a file printed a traceback."""
+    sid = ts.save({"model": {"w": torch.ones(3)}}, tmp_path / "root", step=1).id
+    (tmp_path / "out").write_text("a file")
+    out = _cli(
+        "export", str(tmp_path / "root"), sid, str(tmp_path / "out"), "--format", "safetensors"
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    assert "not a directory" in out.stderr and len(out.stderr.strip().splitlines()) <= 3

@@ -114,6 +114,10 @@ def _reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except TrainsnapError as e:
             _say(f"error: {e}", err=True)
             raise typer.Exit(2) from None
+        except OSError as e:  # the file system said no: a path to fix, not a bug to trace
+            where = f": {e.filename}" if e.filename else ""
+            _say(f"error: {e.strerror or e}{where}", err=True)
+            raise typer.Exit(2) from None
 
     return wrapper
 

@@ -448,6 +448,12 @@ def write_export(
     if piece_bytes <= 0:
         raise InvalidArgumentError(f"piece_bytes must be positive, got {piece_bytes}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(
+            f"export destination {out} exists and is not a directory; give a new or existing "
+            "directory",
+            path=str(out),
+        )
     out.mkdir(parents=True, exist_ok=True)
     removed = _remove_entry_points(out, plan)
     total = plan.total_size
