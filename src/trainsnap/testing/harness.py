@@ -330,8 +330,18 @@ def _child_main(spec: _ChildSpec) -> None:
     # Report before tearing down, so that a rank stuck or dying in teardown keeps its result.
     clean = _report(spec.result_path, value, error)
     _destroy_process_group()
-    if not clean:
-        sys.exit(1)
+    _exit_now(0 if clean else 1)
+
+
+def _exit_now(code: int) -> None:
+    """End the rank without interpreter finalization. Its result is reported and its process
+    group torn down; what finalization would still do is destroy torch's C++ objects
+    (store clients, gloo contexts, their threads) in an order torch does not control, which
+    now and then ends a finished rank with SIGABRT ("terminate called without an active
+    exception"). A rank's exit status must say whether it succeeded, nothing else."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(spec: _ChildSpec) -> Any:
