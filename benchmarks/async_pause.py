@@ -3,8 +3,8 @@
 Two parts, one process, CPU tensors:
 
 1. **Pause.** On a state of ``--gib`` GiB (fp32 and bf16 tensors of mixed sizes, from
-   ``common.make_state``), each repetition measures, in an order rotating from one repetition to
-   the next:
+   ``benchmarks._framework.state.make_state``), each repetition measures, in an order rotating
+   from one repetition to the next:
 
    - ``memcpy``: one copy of every tensor into preallocated, already-touched tensors of the same
      shapes (``dst.copy_(src)`` per tensor): the limit of any staging copy.
@@ -44,9 +44,10 @@ used during each part): on a shared machine it can dominate the timings.
 
 <io threads> is trainsnap's ``io_threads`` tunable (``TRAINSNAP_IO_THREADS`` overrides it).
 
-    python benchmarks/async_pause.py                  # 1 GiB, 5 repetitions
-    python benchmarks/async_pause.py --gib 0.25 --reps 3 --json out.json
-    python benchmarks/async_pause.py --skip-dcp --profile 25
+    python -m benchmarks.async_pause                  # 1 GiB, 5 repetitions
+    python -m benchmarks.async_pause --gib 0.25 --reps 3 --json out.json
+    python -m benchmarks.async_pause --skip-dcp --profile 25
+    python -m benchmarks.async_pause --smoke          # tiny: does it run and verify?
 
 Snapshots live in a temporary directory under ``--dir`` (default: the system's temporary
 directory), removed at the end.
@@ -54,465 +55,289 @@ directory), removed at the end.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import dataclasses
 import gc
 import inspect
 import io
-import os
+import math
 import pstats
-import shutil
 import sys
-import threading
 import time
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 
-import trainsnap as ts
-from common import (
-    GiB,
-    check_bitwise_equal,
-    describe_state,
-    emit,
-    format_table,
-    fresh_dir,
-    kv,
-    machine_info,
-    make_state,
+from benchmarks._framework import cli
+from benchmarks._framework.adapters import Dcp, Trainsnap
+from benchmarks._framework.compute import Compute, Drain, save_while_computing, summarize
+from benchmarks._framework.method import (
+    Measurements,
+    Method,
+    measure_save,
     median,
     rotated,
-    scratch_root,
+    set_up,
+)
+from benchmarks._framework.report import (
+    Check,
+    Column,
+    Ratio,
+    Target,
+    compare,
+    emit,
+    facts,
+    orders_line,
+    records_table,
+)
+from benchmarks._framework.state import (
+    GiB,
+    Tensors,
+    check_bitwise_equal,
+    clear_state,
+    describe_state,
+    make_state,
     state_nbytes,
+)
+from benchmarks._framework.system import (
+    contention,
+    cpu_times,
+    describe_contention,
+    fresh_dir,
+    load_average,
+    machine_info,
+    scratch_root,
 )
 from trainsnap import trace, tunables
 
-try:  # newer torch: stagers that cache their buffers or stage on a background thread
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # pragma: no cover - older torch
-    DefaultStager = StagingOptions = None  # type: ignore[assignment,misc]
-
-State = dict[str, torch.Tensor]
-
-# The targets this benchmark checks.
-TARGETS: dict[str, tuple[str, float]] = {
-    "trainsnap/memcpy": ("<=", 1.3),  # trainsnap pause / the memcpy limit
-    "dcp/trainsnap": (">=", 2.0),  # DCP pause (default) / trainsnap pause
-}
-
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load).*")
-warnings.filterwarnings("ignore", message=".*Ignoring pin_memory flag.*")
+PAUSE_TARGET = Target("<=", 1.3)  # trainsnap pause / the memcpy limit
+DCP_TARGET = Target(">=", 2.0)  # DCP pause / trainsnap pause
+SMOKE = {"gib": 0.005, "reps": 1, "around": 1}
 
 
-# -- references ------------------------------------------------------------------------------------
+# -- the references --------------------------------------------------------------------------------
 
 
-def flat_like_state(state: State, align: int = 64) -> tuple[torch.Tensor, State]:
+def flat_like_state(state: Tensors, align: int = 64) -> tuple[torch.Tensor, Tensors]:
     """One touched byte buffer holding views of the shapes and dtypes of ``state``."""
-    offsets, pos = [], 0
-    for t in state.values():
-        offsets.append(pos)
-        pos += -(-t.nbytes // align) * align
-    flat = torch.zeros(pos, dtype=torch.uint8)
+    offsets, position = [], 0
+    for tensor in state.values():
+        offsets.append(position)
+        position += -(-tensor.nbytes // align) * align
+    flat = torch.zeros(position, dtype=torch.uint8)
     views = {
-        k: flat[off : off + t.nbytes].view(t.dtype).view(t.shape)
-        for (k, t), off in zip(state.items(), offsets, strict=True)
+        key: flat[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        for (key, tensor), offset in zip(state.items(), offsets, strict=True)
     }
     return flat, views
 
 
-def copy_state(src: State, dst: State) -> None:
-    for k, t in src.items():
-        dst[k].copy_(t)
+class Memcpy(Method):
+    """One ``copy_`` of every tensor into preallocated, touched tensors: the staging limit."""
+
+    name = label = "memcpy"
+    can_load = False
+
+    def __init__(self, destination: Tensors) -> None:
+        self.destination = destination
+
+    def save(self, state: Tensors, directory: Path) -> None:
+        for key, tensor in state.items():
+            self.destination[key].copy_(tensor)
 
 
-# -- one measurement -------------------------------------------------------------------------------
+class BigCopy(Method):
+    """One ``np.copyto`` of a single buffer of the state's size into another."""
 
-
-@dataclass
-class Sample:
-    """One timed save (or copy): seconds blocked, and what followed."""
-
-    pause: float
-    call: float | None = None  # wall time of the call (trainsnap: it includes handle creation)
-    returned: float | None = None  # when the call returned, where it precedes the pause's end
-    drain: float | None = None  # from the end of the pause to the save's completion
-    phases: dict[str, float] = field(default_factory=dict)
-
-
-def span_seconds(step: int) -> dict[str, float]:
-    """Durations of the trace spans of the save of ``step`` (seconds)."""
-    out: dict[str, float] = {}
-    for ev in trace.events():
-        if ev.get("args", {}).get("step") == step:
-            out[ev["name"]] = out.get(ev["name"], 0.0) + ev["dur"] / 1e6
-    return out
-
-
-class Trainsnap:
-    """Warm asynchronous saves with a dedicated saver; unique steps name the trace spans."""
-
-    name = "trainsnap"
-
-    def __init__(self) -> None:
-        self.saver = ts.AsyncSaver()
-        self.step = 0
-
-    def start(self, state: State, d: Path) -> tuple[ts.SaveHandle, float]:
-        self.step += 1
-        t0 = time.perf_counter()
-        h: Any = ts.async_save(state, d, step=self.step, saver=self.saver)
-        return h, time.perf_counter() - t0
-
-    def run(self, state: State, d: Path, mutate: Callable[[], None] | None = None) -> Sample:
-        h, call = self.start(state, d)
-        t1 = time.perf_counter()
-        if mutate is not None:
-            mutate()
-        h.wait()
-        drain = time.perf_counter() - t1
-        return Sample(h.pause, call=call, drain=drain, phases=span_seconds(self.step))
-
-    def load(self, dst: State, d: Path) -> None:
-        ts.load(dst, d)
-
-    def close(self) -> None:
-        self.saver.close()
-
-
-def _no_dist(fn: Callable[..., Any]) -> dict[str, Any]:
-    return {"no_dist": True} if "no_dist" in inspect.signature(fn).parameters else {}
-
-
-class Dcp:
-    """``dcp.async_save`` with one staging option."""
-
-    def __init__(
-        self,
-        name: str,
-        label: str,
-        threads: int,
-        *,
-        stager: Any = None,
-        writer_kw: dict[str, Any] | None = None,
-    ) -> None:
-        self.name, self.label, self.threads = name, label, threads
-        self.stager = stager
-        self.writer_kw = writer_kw or {}
-        self.kw = _no_dist(dcp.async_save)
-        if stager is not None:
-            self.kw["async_stager"] = stager
-
-    def run(self, state: State, d: Path, mutate: Callable[[], None] | None = None) -> Sample:
-        writer = dcp.FileSystemWriter(
-            d, thread_count=self.threads, sync_files=True, **self.writer_kw
-        )
-        t0 = time.perf_counter()
-        f = dcp.async_save(state, storage_writer=writer, **self.kw)
-        t1 = time.perf_counter()
-        if hasattr(f, "staging_completion"):  # staging goes on in the background
-            f.staging_completion.result()
-            t2 = time.perf_counter()
-            if mutate is not None:
-                mutate()
-            f.upload_completion.result()
-            return Sample(t2 - t0, returned=t1 - t0, drain=time.perf_counter() - t2)
-        if mutate is not None:
-            mutate()
-        f.result()
-        return Sample(t1 - t0, drain=time.perf_counter() - t1)
-
-    def load(self, dst: State, d: Path) -> None:
-        dcp.load(dst, storage_reader=dcp.FileSystemReader(d), **_no_dist(dcp.load))
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-
-
-def dcp_options(threads: int) -> list[Dcp]:
-    """DCP's default, then the CPU staging options this torch has (tried at warm-up)."""
-    out = [
-        Dcp(
-            "dcp",
-            "dcp (default: the FileSystemWriter stages into fresh memory at each save)",
-            threads,
-        )
-    ]
-    if "async_stager" in inspect.signature(dcp.async_save).parameters and DefaultStager:
-        out.append(
-            Dcp(
-                "dcp-reused",
-                "dcp (async_stager=DefaultStager(no pinning/sharing/background), reused: "
-                "staging buffers cached across saves)",
-                threads,
-                stager=DefaultStager(StagingOptions(False, False, False, False)),
-            )
-        )
-        out.append(
-            Dcp(
-                "dcp-background",
-                "dcp (async_stager=DefaultStager(use_async_staging=True), reused: staged on a "
-                "thread; pause = until staging_completion)",
-                threads,
-                stager=DefaultStager(StagingOptions(False, False, True, False)),
-            )
-        )
-    out.append(
-        Dcp(
-            "dcp-cached-writer",
-            "dcp (FileSystemWriter(cache_staged_state_dict=True): pinned cached staging)",
-            threads,
-            writer_kw={"cache_staged_state_dict": True},
-        )
-    )
-    return out
-
-
-class Memcpy:
-    name = "memcpy"
-
-    def __init__(self, dst: State) -> None:
-        self.dst = dst
-
-    def run(self, state: State, d: Path, mutate: Callable[[], None] | None = None) -> Sample:
-        t0 = time.perf_counter()
-        copy_state(state, self.dst)
-        return Sample(time.perf_counter() - t0)
-
-
-class BigCopy:
-    name = "np.copyto"
+    name = label = "np.copyto"
+    can_load = False
 
     def __init__(self, nbytes: int) -> None:
-        self.src = np.ones(nbytes, dtype=np.uint8)
-        self.dst = np.zeros(nbytes, dtype=np.uint8)
+        self.source = np.ones(nbytes, dtype=np.uint8)
+        self.destination = np.zeros(nbytes, dtype=np.uint8)
 
-    def run(self, state: State, d: Path, mutate: Callable[[], None] | None = None) -> Sample:
-        t0 = time.perf_counter()
-        np.copyto(self.dst, self.src)
-        return Sample(time.perf_counter() - t0)
+    def save(self, state: Tensors, directory: Path) -> None:
+        np.copyto(self.destination, self.source)
+
+
+# name, StagingOptions of a reused DefaultStager (None: no stager), FileSystemWriter options, label
+DCP_VARIANTS: tuple[tuple[str, tuple[bool, ...] | None, dict[str, Any], str], ...] = (
+    ("dcp", None, {}, "dcp (default: the FileSystemWriter stages into fresh memory at each save)"),
+    (
+        "dcp-reused",
+        (False, False, False, False),
+        {},
+        "dcp (async_stager=DefaultStager(no pinning/sharing/background), reused: staging "
+        "buffers cached across saves)",
+    ),
+    (
+        "dcp-background",
+        (False, False, True, False),
+        {},
+        "dcp (async_stager=DefaultStager(use_async_staging=True), reused: staged on a thread; "
+        "pause = until staging_completion)",
+    ),
+    (
+        "dcp-cached-writer",
+        None,
+        {"cache_staged_state_dict": True},
+        "dcp (FileSystemWriter(cache_staged_state_dict=True): pinned cached staging)",
+    ),
+)
+
+
+def dcp_variants(threads: int) -> list[Dcp]:
+    """DCP's default, then the CPU staging options this torch has (tried at warm-up)."""
+    import torch.distributed.checkpoint as dcp
+
+    has_stagers = "async_stager" in inspect.signature(dcp.async_save).parameters
+    variants = []
+    for name, staging, writer_options, label in DCP_VARIANTS:
+        if staging is not None and not has_stagers:
+            continue
+        stager = None
+        if staging is not None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            stager = DefaultStager(StagingOptions(*staging))
+        variants.append(
+            Dcp(
+                threads,
+                name=name,
+                label=label,
+                asynchronous=True,
+                stager=stager,
+                writer_options=writer_options,
+            )
+        )
+    return variants
 
 
 # -- part 1: the pause -----------------------------------------------------------------------------
 
 
-def warm_and_check(m: Any, state: State, dst: State, root: Path) -> None:
-    """The warm-up save of ``m``; while it drains, the largest tensor is overwritten; the
+def warm_and_check(method: Method, state: Tensors, destination: Tensors, root: Path) -> None:
+    """The warm-up save of ``method``; while it drains, the largest tensor is overwritten; the
     snapshot must hold the state as it was at the save."""
-    key = max(state, key=lambda k: state[k].nbytes)
+    key = max(state, key=lambda name: state[name].nbytes)
     keep = state[key].clone()
-    with fresh_dir(root, f"{m.name}-warm-") as d:
-        m.run(state, d, mutate=lambda: state[key].fill_(-7.0))
+    with fresh_dir(root, f"{method.name}-warm-") as directory:
+        measure_save(method, state, directory, while_draining=lambda: state[key].fill_(-7.0))
         state[key].copy_(keep)
-        for t in dst.values():
-            t.zero_()
-        m.load(dst, d)
-    check_bitwise_equal(state, dst, f"{m.name} (warm-up save, state changed while draining)")
+        clear_state(destination)
+        method.load(destination, directory)
+    what = f"{method.name} (warm-up save, state changed while draining)"
+    check_bitwise_equal(state, destination, what)
 
 
-def measure_pause(
-    state: State, root: Path, threads: int, reps: int, skip_dcp: bool
-) -> tuple[dict[str, Any], Trainsnap]:
-    nbytes = state_nbytes(state)
-    flat, dst = flat_like_state(state)
-    tsm = Trainsnap()
-    methods: list[Any] = [Memcpy(dst), BigCopy(nbytes), tsm]
+def warm_up(
+    candidates: list[Method], state: Tensors, destination: Tensors, root: Path
+) -> dict[str, str]:
+    """Warm up and check every candidate; returns the unavailable ones' reasons (only optional
+    DCP stagers may be unavailable)."""
     unavailable: dict[str, str] = {}
-    dcps = [] if skip_dcp else dcp_options(threads)
-    labels = {m.name: m.label for m in dcps}
-
-    for m in [tsm, *dcps]:
+    for method in candidates:
         gc.collect()
         try:
-            warm_and_check(m, state, dst, root)
-        except Exception as e:
-            if m is tsm or m.name == "dcp":
+            warm_and_check(method, state, destination, root)
+        except Exception as error:
+            if method.name in ("trainsnap", "dcp"):
                 raise
-            unavailable[m.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            print(f"  {m.name}: unavailable ({unavailable[m.name]})", flush=True)
-            m.close()
+            first_line = str(error).splitlines()[0][:160] if str(error) else ""
+            unavailable[method.name] = f"{type(error).__name__}: {first_line}"
+            print(f"  {method.name}: unavailable ({unavailable[method.name]})", flush=True)
             continue
-        if m is not tsm:
-            methods.append(m)
-        print(f"  warm-up {m.name}: saved, changed while draining, loaded, verified", flush=True)
-    for m in methods[:2]:
-        m.run(state, root)  # warm-up of the references
+        print(f"  warm-up {method.name}: saved, changed while draining, loaded, verified")
+    return unavailable
 
-    samples: dict[str, list[Sample]] = {m.name: [] for m in methods}
-    orders: list[list[str]] = []
-    try:
-        for rep in range(reps):
-            order = rotated(methods, rep)
-            orders.append([m.name for m in order])
-            for m in order:
-                with fresh_dir(root, f"{m.name}-") as d:
-                    gc.collect()
-                    samples[m.name].append(m.run(state, d))
-            print(
-                f"rep {rep + 1}/{reps} [{' '.join(orders[-1])}] "
-                + "  ".join(f"{n} {s[-1].pause:.3f}s" for n, s in samples.items())
-                + "  (pause)",
-                flush=True,
-            )
-    finally:
-        for m in dcps:
-            if m.name not in unavailable:
-                m.close()
-    del flat, dst
 
-    results: dict[str, Any] = {}
-    for n, ss in samples.items():
-        r: dict[str, Any] = {
-            "pause_s": [s.pause for s in ss],
-            "pause_median_s": median([s.pause for s in ss]),
-            "pause_GBps": nbytes / median([s.pause for s in ss]) / 1e9,
-        }
-        if any(s.call is not None for s in ss):
-            r["call_s"] = [s.call for s in ss]
-            r["call_median_s"] = median([s.call for s in ss if s.call is not None])
-        if any(s.returned is not None for s in ss):
-            r["returned_s"] = [s.returned for s in ss]
-            r["returned_median_s"] = median([s.returned for s in ss if s.returned is not None])
-        if any(s.drain is not None for s in ss):
-            r["drain_s"] = [s.drain for s in ss]
-            r["drain_median_s"] = median([s.drain for s in ss if s.drain is not None])
-        phases = sorted({p for s in ss for p in s.phases})
-        if phases:
-            r["phases_median_s"] = {p: median([s.phases.get(p, 0.0) for s in ss]) for p in phases}
-        if n in labels:
-            r["label"] = labels[n]
-        results[n] = r
+def repeat_pauses(methods: list[Method], state: Tensors, root: Path, reps: int) -> Measurements:
+    results = Measurements()
+    for method in methods:
+        results.values[method.name] = {}
+    for repetition in range(reps):
+        order = rotated(methods, repetition)
+        results.orders.append([method.name for method in order])
+        for method in order:
+            with fresh_dir(root, f"{method.name}-") as directory:
+                gc.collect()
+                results.add_all(method.name, measure_save(method, state, directory))
+        print(
+            f"rep {repetition + 1}/{reps} [{' '.join(results.orders[-1])}] "
+            + "  ".join(f"{m.name} {results.series(m.name, 'pause')[-1]:.3f}s" for m in methods)
+            + "  (pause)",
+            flush=True,
+        )
+    return results
 
-    pause = {n: r["pause_median_s"] for n, r in results.items()}
-    ratios: dict[str, float] = {
-        "trainsnap/memcpy": pause["trainsnap"] / pause["memcpy"],
-        "trainsnap call/memcpy": results["trainsnap"]["call_median_s"] / pause["memcpy"],
-        "trainsnap/np.copyto": pause["trainsnap"] / pause["np.copyto"],
-    }
-    dcp_names = [n for n in pause if n.startswith("dcp")]
-    if dcp_names:
-        ratios["dcp/trainsnap"] = pause["dcp"] / pause["trainsnap"]
-        best = min(dcp_names, key=lambda n: pause[n])
-        ratios["dcp best/trainsnap"] = pause[best] / pause["trainsnap"]
-        ratios["_best_dcp"] = best  # type: ignore[assignment]
-    return {
-        "results": results,
-        "ratios": ratios,
-        "orders": orders,
-        "dcp_unavailable": unavailable,
-    }, tsm
+
+def measure_pause(state: Tensors, root: Path, trainsnap: Trainsnap, args: Any) -> dict[str, Any]:
+    flat, destination = flat_like_state(state)
+    references: list[Method] = [Memcpy(destination), BigCopy(state_nbytes(state))]
+    dcps: list[Method] = [] if args.skip_dcp else list(dcp_variants(tunables.get().io_threads))
+    with set_up(dcps):
+        unavailable = warm_up([trainsnap, *dcps], state, destination, root)
+        for reference in references:
+            reference.save(state, root)  # warm-up of the references
+        available = [m for m in dcps if m.name not in unavailable]
+        results = repeat_pauses([*references, trainsnap, *available], state, root, args.reps)
+    del flat, destination
+    labels = {m.name: m.label for m in available}
+    return {"results": results, "labels": labels, "dcp_unavailable": unavailable}
+
+
+def pause_ratios(results: Measurements) -> list[Ratio]:
+    pause = ("trainsnap", "pause")
+    ratios = [
+        Ratio("trainsnap pause / memcpy limit", pause, ("memcpy", "pause"), PAUSE_TARGET),
+        Ratio("trainsnap call / memcpy limit", ("trainsnap", "call"), ("memcpy", "pause")),
+        Ratio("trainsnap pause / np.copyto", pause, ("np.copyto", "pause")),
+    ]
+    dcps = [name for name in results.methods if name.startswith("dcp")]
+    if dcps:
+        best = min(dcps, key=lambda name: results.median(name, "pause"))
+        label = f"{best} (best dcp) pause / trainsnap pause"
+        ratios.append(
+            Ratio("dcp (default) pause / trainsnap pause", ("dcp", "pause"), pause, DCP_TARGET)
+        )
+        ratios.append(Ratio(label, (best, "pause"), pause, DCP_TARGET))
+    return ratios
 
 
 # -- part 2: slowdown while draining ---------------------------------------------------------------
 
 
-class Compute:
-    """A compute-bound training step: ``k`` matmuls of ``n`` x ``n`` fp32, ``k`` chosen for a
-    step of about ``target_s`` (at least one matmul)."""
-
-    def __init__(self, n: int = 1024, target_s: float = 0.03) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.a = torch.randn(n, n, generator=g)
-        self.b = torch.randn(n, n, generator=g)
-        self.c = torch.empty(n, n)
-        self.n = n
-        self.k = 1
-        for _ in range(3):
-            self.step()
-        one = median([self.timed_step() for _ in range(7)])
-        self.k = max(1, round(target_s / one))
-
-    def step(self) -> None:
-        for _ in range(self.k):
-            torch.mm(self.a, self.b, out=self.c)
-
-    def timed_step(self) -> float:
-        t0 = time.perf_counter()
-        self.step()
-        return time.perf_counter() - t0
-
-
-@dataclass
-class Drain:
-    io_threads: int
-    pause: float
-    drain: float
-    before: list[float]  # steps with no save, just before it
-    steps: list[float]  # steps that started before the save was committed
-    after: list[float]  # steps with no save, just after it
-
-    @property
-    def base(self) -> float:
-        """The step time with no save around this one (median of the steps before and after)."""
-        return median(self.before + self.after)
-
-    @property
-    def lost(self) -> float:
-        """Compute seconds lost to this save while it drained."""
-        return sum(self.steps) - len(self.steps) * self.base
-
-
-def drain_run(
-    comp: Compute, tsm: Trainsnap, state: State, d: Path, io_threads: int, around: int
-) -> Drain:
-    """``around`` steps, then a save and steps until it is committed, then ``around`` steps."""
-    before = [comp.timed_step() for _ in range(around)]
-    prev = tunables.get()
-    tunables.set_for_testing(dataclasses.replace(prev, io_threads=io_threads))
+@contextmanager
+def io_threads(count: int) -> Iterator[None]:
+    """trainsnap's ``io_threads`` tunable set to ``count`` inside the block."""
+    previous = tunables.get()
+    tunables.set_for_testing(dataclasses.replace(previous, io_threads=count))
     try:
-        h, _ = tsm.start(state, d)
-        t_ret = time.perf_counter()
-        done: list[float] = []
-
-        def watch() -> None:
-            try:
-                h.wait()
-            finally:
-                done.append(time.perf_counter())
-
-        w = threading.Thread(target=watch, name="drain-watch", daemon=True)
-        w.start()
-        steps: list[float] = []
-        while not done:
-            steps.append(comp.timed_step())
-        w.join()
-        h.wait()  # raises a failed save
+        yield
     finally:
-        tunables.set_for_testing(prev)
-    after = [comp.timed_step() for _ in range(around)]
-    return Drain(io_threads, h.pause, done[0] - t_ret, before, steps, after)
+        tunables.set_for_testing(previous)
 
 
-def measure_drain(
-    state: State, root: Path, tsm: Trainsnap, reps: int, around: int
-) -> dict[str, Any]:
-    comp = Compute()
-    io_default = tunables.get().io_threads
-    modes = [(f"io_threads={io_default}", io_default)]
-    if io_default != 2:
-        modes.append(("io_threads=2", 2))
+def measure_drain(state: Tensors, root: Path, trainsnap: Trainsnap, args: Any) -> dict[str, Any]:
+    compute = Compute()
+    default = tunables.get().io_threads
+    modes = [(f"io_threads={default}", default)] + ([("io_threads=2", 2)] if default != 2 else [])
     drains: dict[str, list[Drain]] = {name: [] for name, _ in modes}
     orders = []
-    for rep in range(reps):
-        order = rotated(modes, rep)
-        orders.append([n for n, _ in order])
-        for name, nio in order:
+    for repetition in range(args.reps):
+        order = rotated(modes, repetition)
+        orders.append([name for name, _ in order])
+        for name, count in order:
             gc.collect()
-            with fresh_dir(root, "drain-") as d:
-                drains[name].append(drain_run(comp, tsm, state, d, nio, around))
+            with fresh_dir(root, "drain-") as directory, io_threads(count):
+                drain = save_while_computing(compute, trainsnap, state, directory, args.around)
+                drains[name].append(drain)
         print(
-            f"drain rep {rep + 1}/{reps} "
+            f"drain rep {repetition + 1}/{args.reps} "
             + "  ".join(
                 f"{n}: {1e3 * ds[-1].base:.1f} -> {1e3 * median(ds[-1].steps):.1f} ms/step, "
                 f"drain {ds[-1].drain:.2f}s"
@@ -521,402 +346,243 @@ def measure_drain(
             + "  (no save -> draining)",
             flush=True,
         )
-    base = [x for ds in drains.values() for dr in ds for x in dr.before + dr.after]
-    out: dict[str, Any] = {
-        "step": {
-            "matmul_n": comp.n,
-            "matmuls_per_step": comp.k,
-            "torch_threads": torch.get_num_threads(),
-            "steps_around_each_save": around,
-        },
+    base = [x for ds in drains.values() for drain in ds for x in drain.before + drain.after]
+    step = compute.describe() | {"steps_around_each_save": args.around}
+    return {
+        "step": step,
         "no_save": {"step_s": base, "step_median_s": median(base)},
         "orders": orders,
-        "cases": {},
+        "cases": {
+            name: summarize(ds) | {"io_threads": count}
+            for (name, count), ds in zip(modes, drains.values(), strict=True)
+        },
     }
-    for name, ds in drains.items():
-        steps = [x for dr in ds for x in dr.steps]
-        out["cases"][name] = {
-            "io_threads": ds[0].io_threads,
-            "pause_s": [dr.pause for dr in ds],
-            "drain_s": [dr.drain for dr in ds],
-            "drain_median_s": median([dr.drain for dr in ds]),
-            "steps_during_drain": [len(dr.steps) for dr in ds],
-            "no_save_step_median_s": [dr.base for dr in ds],
-            "step_s": steps,
-            "step_median_s": median(steps),
-            "step_mean_s": sum(steps) / len(steps),
-            "step_median_per_save_s": [median(dr.steps) for dr in ds],
-            # per save, against the steps just around it; then the median over the saves
-            "slowdown_median": median([median(dr.steps) / dr.base for dr in ds]),
-            "slowdown_mean": median([sum(dr.steps) / len(dr.steps) / dr.base for dr in ds]),
-            "lost_compute_s": [dr.lost for dr in ds],
-            "lost_fraction_of_drain": median([dr.lost / dr.drain for dr in ds if dr.drain > 0]),
-        }
-    return out
 
 
 # -- profile ---------------------------------------------------------------------------------------
 
 
-def profile_pause(state: State, root: Path, tsm: Trainsnap, top: int) -> str:
+def profile_pause(state: Tensors, root: Path, trainsnap: Trainsnap, top: int) -> str:
     """cProfile of one warm ``ts.async_save(...)`` call (the pause only)."""
-    with fresh_dir(root, "profile-") as d:
+    with fresh_dir(root, "profile-") as directory:
         gc.collect()
-        pr = cProfile.Profile()
-        tsm.step += 1
-        pr.enable()
-        h: Any = ts.async_save(state, d, step=tsm.step, saver=tsm.saver)
-        pr.disable()
-        h.wait()
-    buf = io.StringIO()
-    st = pstats.Stats(pr, stream=buf).strip_dirs()
-    st.sort_stats("tottime").print_stats(top)
-    st.sort_stats("cumulative").print_stats(top)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        pending = trainsnap.save(state, directory)
+        profiler.disable()
+        assert pending is not None
+        pending.wait()
+    buffer = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buffer).strip_dirs()
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
     return (
         f"cProfile of one warm ts.async_save(...) call (pause under the profiler: "
-        f"{h.pause:.3f}s; the profiler inflates Python-heavy code):\n{buf.getvalue()}"
+        f"{pending.pause:.3f}s; the profiler inflates Python-heavy code):\n{buffer.getvalue()}"
     )
 
 
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def _loadavg() -> str:
-    """The 1/5/15-minute load averages (other processes competing for the CPUs skew timings)."""
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except (OSError, AttributeError):
-        return "n/a"
+def run_parts(state: Tensors, root: Path, args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"drain": None, "profile": None}
+    trainsnap = Trainsnap(asynchronous=True)
+    with set_up([trainsnap]):
+        print("part 1: pause", flush=True)
+        start, started = cpu_times(), time.perf_counter()
+        out["pause"] = measure_pause(state, root, trainsnap, args)
+        out["pause"]["contention"] = contention(start, time.perf_counter() - started)
+        if not args.skip_drain:
+            print("part 2: slowdown while draining", flush=True)
+            start, started = cpu_times(), time.perf_counter()
+            out["drain"] = measure_drain(state, root, trainsnap, args)
+            out["drain"]["contention"] = contention(start, time.perf_counter() - started)
+        if args.profile:
+            out["profile"] = profile_pause(state, root, trainsnap, args.profile)
+    return out
 
 
-def _proc_cpu(stat: str) -> tuple[int, int]:
-    """(parent pid, utime + stime in clock ticks) from the text of ``/proc/<pid>/stat``."""
-    f = stat[stat.rindex(")") + 2 :].split()
-    return int(f[1]), int(f[11]) + int(f[12])
-
-
-def _cpu_times() -> dict[str, float] | None:
-    """CPU seconds so far (Linux ``/proc``): ``busy`` of every CPU (user, nice, system), this
-    process's, the kernel threads' (writeback, journaling: mostly work this run causes), and the
-    host's ``steal``; or None where ``/proc`` cannot be read."""
-    try:
-        with open("/proc/stat") as f:
-            cpu = [int(x) for x in f.readline().split()[1:]]
-        kticks = 0
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid, ticks = _proc_cpu(f.read())
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            if ppid == 2 or pid == "2":
-                kticks += ticks
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    user, nice, system = cpu[:3]
-    t = os.times()
-    return {
-        "busy": (user + nice + system) / hz,
-        "self": t.user + t.system,
-        "kernel_threads": kticks / hz,
-        "steal": cpu[7] / hz if len(cpu) > 7 else 0.0,
-    }
-
-
-def _others(start: dict[str, float] | None, wall: float) -> dict[str, Any] | None:
-    """CPU time used by other processes (and stolen by the host) while this run went on: all
-    the CPUs' busy time less this process's and the kernel threads'."""
-    end = _cpu_times()
-    if start is None or end is None:
-        return None
-    d = {k: end[k] - start[k] for k in end}
-    others = max(0.0, d["busy"] - d["self"] - d["kernel_threads"])
-    cpus = os.cpu_count() or 1
-    return {
-        "wall_s": round(wall, 1),
-        "self_cpu_s": round(d["self"], 1),
-        "kernel_threads_cpu_s": round(d["kernel_threads"], 1),
-        "other_processes_cpu_s": round(others, 1),
-        "other_processes_share": round(others / (wall * cpus), 3),
-        "steal_s": round(d["steal"], 1),
-    }
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = tunables.get().io_threads
+def run(args: Any) -> dict[str, Any]:
     print(f"making the state ({args.gib} GiB, seed {args.seed}) ...", flush=True)
     state = make_state(args.gib, seed=args.seed)
-    nbytes = state_nbytes(state)
-    desc = describe_state(state)
-
-    machine = machine_info()
-    machine["trainsnap"] = ts.__version__
-    machine["io_threads"] = threads
-    machine["loadavg_start"] = _loadavg()
-
-    root, free = scratch_root(args.dir, nbytes * 2.5, "trainsnap-async-")
-    print(f"machine: {kv(machine)}")
-    print(f"state: {kv(desc)}")
-    print(f"directory: {root} ({free / GiB:.0f} GiB free)", flush=True)
-
-    cpu0, t0 = _cpu_times(), time.perf_counter()
+    machine = machine_info() | {"loadavg_start": load_average()}
+    description = describe_state(state)
+    print(facts("machine", machine))
+    print(facts("state", description))
+    start, started = cpu_times(), time.perf_counter()
     was_tracing = trace.enabled()
     trace.enable()
     try:
-        print("part 1: pause", flush=True)
-        pause, tsm = measure_pause(state, root, threads, args.reps, args.skip_dcp)
-        pause["contention"] = _others(cpu0, time.perf_counter() - t0)
-        drain = None
-        if not args.skip_drain:
-            print("part 2: slowdown while draining", flush=True)
-            cpu2, t2 = _cpu_times(), time.perf_counter()
-            drain = measure_drain(state, root, tsm, args.reps, args.around)
-            drain["contention"] = _others(cpu2, time.perf_counter() - t2)
-        prof = profile_pause(state, root, tsm, args.profile) if args.profile else None
-        tsm.close()
+        with scratch_root(args.dir, state_nbytes(state) * 2.5, "trainsnap-async-") as root:
+            out = run_parts(state, root, args)
     finally:
         if not was_tracing:
             trace.disable()
-        shutil.rmtree(root, ignore_errors=True)
-    machine["loadavg_end"] = _loadavg()
-    machine["contention"] = _others(cpu0, time.perf_counter() - t0)
-    return {
-        "machine": machine,
-        "config": {
-            "gib": args.gib,
-            "reps": args.reps,
-            "seed": args.seed,
-            "io_threads": threads,
-            "skip_dcp": args.skip_dcp,
-        },
-        "state": desc,
-        "pause": pause,
-        "drain": drain,
-        "profile": prof,
-        "targets": TARGETS,
-    }
+    machine["loadavg_end"] = load_average()
+    machine["contention"] = contention(start, time.perf_counter() - started)
+    config = {"gib": args.gib, "reps": args.reps, "seed": args.seed, "skip_dcp": args.skip_dcp}
+    config["io_threads"] = machine["io_threads"]
+    return out | {"machine": machine, "config": config, "state": description}
 
 
-def _verdict(name: str, value: float) -> tuple[str, str]:
-    op, target = TARGETS[name]
-    ok = value <= target if op == "<=" else value >= target
-    return f"{op} {target:g}", "met" if ok else "MISSED"
+# -- the report ------------------------------------------------------------------------------------
 
 
-def _ms(x: float | None) -> float:
-    return float("nan") if x is None else 1e3 * x
-
-
-def _contention(part: str, c: dict[str, Any], cpus: int) -> str:
-    return (
-        f"CPU time during {part} ({c['wall_s']}s x {cpus} CPUs): this process "
-        f"{c['self_cpu_s']}s, kernel threads {c['kernel_threads_cpu_s']}s, other processes "
-        f"{c['other_processes_cpu_s']}s ({100 * c['other_processes_share']:.1f}% of the CPUs), "
-        f"stolen by the host {c['steal_s']}s"
-    )
-
-
-def report(out: dict[str, Any]) -> str:
-    p = out["pause"]
-    res, ratios = p["results"], p["ratios"]
-    nbytes = out["state"]["bytes"]
+def _header(out: dict[str, Any]) -> list[str]:
+    nbytes, machine = out["state"]["bytes"], out["machine"]
     lines = [
         "",
         f"state {nbytes / GiB:.3f} GiB ({nbytes} bytes, {out['state']['tensors']} tensors), "
         f"{out['config']['reps']} repetitions, io_threads={out['config']['io_threads']}, "
-        f"load average (1/5/15 min) at start {out['machine']['loadavg_start']}, at end "
-        f"{out['machine']['loadavg_end']}",
+        f"load average (1/5/15 min) at start {machine['loadavg_start']}, at end "
+        f"{machine['loadavg_end']}",
     ]
-    for part, c in (
-        ("the run", out["machine"].get("contention")),
+    for part, used in (
+        ("the run", machine.get("contention")),
         ("part 1 (with the warm-ups)", out["pause"].get("contention")),
         ("part 2", (out["drain"] or {}).get("contention")),
     ):
-        if c:
-            lines.append(_contention(part, c, out["machine"]["cpu_count"]))
-    lines += [
+        if used:
+            lines.append(describe_contention(part, used))
+    return lines
+
+
+def _phases_line(results: Measurements) -> list[str]:
+    phases = {
+        p: results.median("trainsnap", p) for p in ("capture", "plan", "stage", "write", "commit")
+    }
+    front = [p for p in ("capture", "plan", "stage") if phases[p] == phases[p]]
+    if not front:
+        return []
+    rest = results.median("trainsnap", "pause") - sum(phases[p] for p in front)
+    background = [p for p in ("write", "commit") if phases[p] == phases[p]]
+    return [
         "",
-        "part 1: pause (seconds the caller is blocked; median)",
+        "trainsnap phases (median seconds; trainsnap.trace spans): "
+        + ", ".join(f"{p} {phases[p]:.3f}" for p in front)
+        + f"; the median pause less these: {rest:.3f}; in the background: "
+        + ", ".join(f"{p} {phases[p]:.3f}" for p in background),
     ]
-    rows = []
-    for n, r in res.items():
-        rows.append(
-            [
-                n,
-                r["pause_median_s"],
-                r["pause_GBps"],
-                r.get("call_median_s", float("nan")),
-                r.get("returned_median_s", float("nan")),
-                r.get("drain_median_s", float("nan")),
-            ]
-        )
-    lines.append(
-        format_table(
-            ["method", "pause s", "GB/s", "call s", "returns s", "drain s (idle)"], rows, digits=3
-        )
+
+
+def report_pause(out: dict[str, Any]) -> tuple[list[str], list[Check]]:
+    pause = out["pause"]
+    results: Measurements = pause["results"]
+    comparison = compare(
+        results,
+        nbytes=out["state"]["bytes"],
+        metrics=("pause", "call", "returned", "drain"),
+        rates=("pause",),
+        ratios=pause_ratios(results),
     )
+    table, rest = comparison.lines[0], comparison.lines[1:]
+    lines = ["", "part 1: pause (seconds the caller is blocked; median)", table]
     lines.append(
         "  pause: trainsnap: handle.pause; dcp: until async_save returns (dcp-background: until "
-        "staging_completion); call: wall time of ts.save; returns: when async_save returned; "
-        "drain: from the end of the pause to the commit, the caller idle"
+        "staging_completion); call: wall time of ts.async_save; returned: when async_save "
+        "returned; drain: from the end of the pause to the commit, the caller idle"
     )
-    for n, r in res.items():
-        if "label" in r:
-            lines.append(f"  {n}: {r['label']}")
-    for n, why in p["dcp_unavailable"].items():
-        lines.append(f"  {n}: unavailable here: {why}")
+    lines += [f"  {name}: {label}" for name, label in pause["labels"].items()]
+    lines += [
+        f"  {name}: unavailable here: {why}" for name, why in pause["dcp_unavailable"].items()
+    ]
+    return [*lines, *_phases_line(results), *rest], comparison.checks
 
-    ph = res["trainsnap"].get("phases_median_s", {})
-    if ph:
-        front = [k for k in ("capture", "plan", "stage") if k in ph]
-        other = res["trainsnap"]["pause_median_s"] - sum(ph[k] for k in front)
-        lines += [
-            "",
-            "trainsnap phases (median seconds; trainsnap.trace spans): "
-            + ", ".join(f"{k} {ph[k]:.3f}" for k in front)
-            + f"; the median pause less these: {other:.3f}"
-            + "; in the background: "
-            + ", ".join(f"{k} {ph[k]:.3f}" for k in ("write", "commit") if k in ph),
-        ]
 
-    lines += ["", "ratios (medians):"]
-    rrows: list[list[object]] = []
-    v = ratios["trainsnap/memcpy"]
-    rrows.append(["trainsnap pause / memcpy limit", v, *_verdict("trainsnap/memcpy", v)])
-    rrows.append(["trainsnap call / memcpy limit", ratios["trainsnap call/memcpy"], "-", "-"])
-    rrows.append(["trainsnap pause / np.copyto", ratios["trainsnap/np.copyto"], "-", "-"])
-    if "dcp/trainsnap" in ratios:
-        v = ratios["dcp/trainsnap"]
-        rrows.append(["dcp (default) pause / trainsnap pause", v, *_verdict("dcp/trainsnap", v)])
-        best = ratios["_best_dcp"]
-        v = ratios["dcp best/trainsnap"]
-        rrows.append(
-            [f"{best} (best dcp) pause / trainsnap pause", v, *_verdict("dcp/trainsnap", v)]
+def _no_save_case(drain: dict[str, Any]) -> dict[str, Any]:
+    steps = drain["no_save"]["step_s"]
+    mean = sum(steps) / len(steps)
+    return {"case": "no save", "step_median_s": drain["no_save"]["step_median_s"]} | {
+        "step_mean_s": mean,
+        "slowdown_median": 1.0,
+    }
+
+
+DRAIN_COLUMNS: list[Column] = [
+    ("case", lambda case: case["case"]),
+    ("step ms (med)", lambda case: 1e3 * case["step_median_s"]),
+    ("step ms (mean)", lambda case: 1e3 * case["step_mean_s"]),
+    ("slowdown (med)", lambda case: case["slowdown_median"]),
+    ("slowdown (mean)", lambda case: case.get("slowdown_mean", math.nan)),
+    ("pause s", lambda case: median(case.get("pause_s", []))),
+    ("steps in drain", lambda case: " ".join(map(str, case.get("steps_during_drain", "-")))),
+    ("drain s", lambda case: case.get("drain_median_s", math.nan)),
+    ("lost s", lambda case: median(case.get("lost_compute_s", []))),
+    ("lost/drain", lambda case: case.get("lost_fraction_of_drain", math.nan)),
+]
+
+
+def report_drain(out: dict[str, Any]) -> list[str]:
+    drain, step = out["drain"], out["drain"]["step"]
+    idle = out["pause"]["results"].median("trainsnap", "drain")
+    around = step["steps_around_each_save"]
+    cases = [_no_save_case(drain)]
+    cases += [{"case": f"draining, {name}"} | case for name, case in drain["cases"].items()]
+    per_save = "; ".join(
+        f"{name}: "
+        + " ".join(
+            f"{1e3 * b:.0f}->{1e3 * m:.0f}"
+            for b, m in zip(
+                case["no_save_step_median_s"], case["step_median_per_save_s"], strict=True
+            )
         )
-    lines.append(format_table(["ratio", "value", "target", "result"], rrows, digits=2))
-
-    lines += ["", "individual pauses (seconds, in repetition order):"]
-    lines.append(
-        format_table(
-            ["method", "pauses"],
-            [[n, " ".join(f"{x:.3f}" for x in r["pause_s"])] for n, r in res.items()],
-        )
+        for name, case in drain["cases"].items()
     )
-    lines.append("orders: " + "; ".join(" ".join(o) for o in p["orders"]))
+    return [
+        "",
+        f"part 2: compute steps ({step['matmuls_per_step']} x matmul {step['matmul_n']}x"
+        f"{step['matmul_n']} fp32, torch threads {step['torch_threads']}) while an async "
+        f"trainsnap save of the state drains ({out['machine'].get('cpus_usable', '?')} usable "
+        "CPUs)",
+        records_table(cases, DRAIN_COLUMNS, digits=2),
+        f"  no save: the {around} steps just before and the {around} just after each save; "
+        "slowdown: per save, the median (mean) step time while it drains / the median of the "
+        "steps around it, then the median over the saves; lost: compute seconds lost per save "
+        "(the drain's step times - their count x the median around it); drain: from the end of "
+        "the pause to the commit, while the steps run",
+        f"  drain with the caller idle (part 1, io_threads={out['config']['io_threads']}): "
+        f"{idle:.2f}s; per save (no save -> draining, ms/step): {per_save}",
+        orders_line(drain["orders"], " | "),
+    ]
 
-    d = out["drain"]
-    if d is not None:
-        st = d["step"]
-        base = d["no_save"]["step_median_s"]
-        lines += [
-            "",
-            f"part 2: compute steps ({st['matmuls_per_step']} x matmul {st['matmul_n']}x"
-            f"{st['matmul_n']} fp32, torch threads {st['torch_threads']}) while an async "
-            f"trainsnap save of the state drains ({out['machine'].get('cpus_usable', '?')} "
-            "usable CPUs)",
-        ]
-        nan = float("nan")
-        base_mean = sum(d["no_save"]["step_s"]) / len(d["no_save"]["step_s"])
-        drows: list[list[object]] = [
-            ["no save", _ms(base), _ms(base_mean), 1.0, nan, nan, "-", nan, nan, nan]
-        ]
-        for name, r in d["cases"].items():
-            drows.append(
-                [
-                    f"draining, {name}",
-                    _ms(r["step_median_s"]),
-                    _ms(r["step_mean_s"]),
-                    r["slowdown_median"],
-                    r["slowdown_mean"],
-                    median(r["pause_s"]),
-                    " ".join(str(n) for n in r["steps_during_drain"]),
-                    r["drain_median_s"],
-                    median(r["lost_compute_s"]),
-                    r["lost_fraction_of_drain"],
-                ]
-            )
-        lines.append(
-            format_table(
-                [
-                    "case",
-                    "step ms (med)",
-                    "step ms (mean)",
-                    "slowdown (med)",
-                    "slowdown (mean)",
-                    "pause s",
-                    "steps in drain",
-                    "drain s",
-                    "lost s",
-                    "lost/drain",
-                ],
-                drows,
-                digits=2,
-            )
-        )
-        idle = res["trainsnap"].get("drain_median_s")
-        n = st["steps_around_each_save"]
-        lines.append(
-            f"  no save: the {n} steps just before and the {n} just after each save; slowdown: "
-            "per save, the median (mean) step time while it drains / the median of the steps "
-            "around it, then the median over the saves; lost: compute seconds lost per save "
-            "(the drain's step times - their count x the median around it); drain: from the "
-            "end of the pause to the commit, while the steps run"
-        )
-        lines.append(
-            f"  drain with the caller idle (part 1, io_threads={out['config']['io_threads']}): "
-            f"{idle:.2f}s; per save (no save -> draining, ms/step): "
-            + "; ".join(
-                f"{name}: "
-                + " ".join(
-                    f"{1e3 * b:.0f}->{1e3 * m:.0f}"
-                    for b, m in zip(
-                        r["no_save_step_median_s"], r["step_median_per_save_s"], strict=True
-                    )
-                )
-                for name, r in d["cases"].items()
-            )
-        )
-        lines.append("orders: " + "; ".join(" | ".join(o) for o in d["orders"]))
+
+def report(out: dict[str, Any]) -> tuple[str, list[Check]]:
+    pause_lines, checks = report_pause(out)
+    lines = [*_header(out), *pause_lines]
+    if out["drain"] is not None:
+        lines += report_drain(out)
     if out["profile"]:
         lines += ["", out["profile"]]
-    return "\n".join(lines)
+    return "\n".join(lines), checks
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the state's values")
-    p.add_argument(
-        "--dir", default=None, help="where to write (default: the system's temporary directory)"
+    arguments = cli.parser(__doc__, reps=5)
+    arguments.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    arguments.add_argument(
+        "--skip-dcp", action="store_true", help="no torch.distributed.checkpoint"
     )
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--skip-dcp", action="store_true", help="no torch.distributed.checkpoint")
-    p.add_argument("--skip-drain", action="store_true", help="part 1 only")
-    p.add_argument(
+    arguments.add_argument("--skip-drain", action="store_true", help="part 1 only")
+    arguments.add_argument(
         "--around",
         type=int,
         default=10,
         help="compute steps timed with no save just before and after each save (default 10)",
     )
-    p.add_argument(
+    arguments.add_argument(
         "--profile",
         type=int,
         default=0,
         metavar="N",
         help="also cProfile one warm async save call and print its top N functions",
     )
-    args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error("--reps must be at least 1")
-    if args.around < 1:
-        p.error("--around must be at least 1")
-
+    args = cli.parse(
+        arguments, argv, SMOKE, lambda a: "--around must be at least 1" if a.around < 1 else None
+    )
     out = run(args)
-    emit(out, report(out), args.json)
+    text, out["checks"] = report(out)
+    emit(out, text, args.json)
     return 0
 
 

@@ -1,0 +1,163 @@
+"""A smoke run of every benchmark at tiny sizes (``--smoke``), as its README command runs it
+(``python -m benchmarks.<name>`` from the repository root): each must finish, measure every
+method, verify what it loaded bit for bit, and print its ratios with their verdicts.
+
+The sizes are far too small for the figures to mean anything: only their presence is checked,
+never a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+VERDICT = re.compile(
+    r"^(?P<label>\S.*?)\s+(?P<value>-?[\d.]+|-)\s+(?P<target>-|[<>]=? [\d.]+)\s+"
+    r"(?P<result>met|MISSED|-)$"
+)
+
+
+def run_benchmark(name: str, tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    """Run ``python -m benchmarks.<name> --smoke``; its stdout and its JSON results."""
+    results = tmp_path / f"{name}.json"
+    command = [sys.executable, "-m", f"benchmarks.{name}", "--smoke", "--dir", str(tmp_path)]
+    command += ["--json", str(results), *extra]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout, json.loads(results.read_text())
+
+
+def verdict_rows(text: str) -> dict[str, tuple[float, str, str]]:
+    """label -> (value, target, result) of every row of the report's verdict tables."""
+    rows = {}
+    for line in text.splitlines():
+        match = VERDICT.match(line)
+        if match and match["value"] != "-":
+            rows[match["label"]] = (float(match["value"]), match["target"], match["result"])
+    return rows
+
+
+def assert_verdicts(text: str, labels: list[str]) -> None:
+    """Each label has a row with a finite value; a row with a target has met or MISSED."""
+    rows = verdict_rows(text)
+    for label in labels:
+        assert label in rows, f"no verdict row {label!r} in:\n{text[-3000:]}"
+        value, target, result = rows[label]
+        assert math.isfinite(value), label
+        assert (result in ("met", "MISSED")) == (target != "-"), (label, target, result)
+
+
+def assert_measured(results: dict[str, Any], methods: list[str], metrics: list[str]) -> None:
+    """Every (method, metric) has a positive finite median."""
+    for method in methods:
+        for metric in metrics:
+            median = results["medians"][method][metric]
+            assert math.isfinite(median) and median > 0, (method, metric, median)
+
+
+def test_save_load(tmp_path: Path) -> None:
+    text, out = run_benchmark("save_load", tmp_path)
+    reps = out["config"]["reps"]
+    assert text.count("(save/load, verified)") == reps
+    assert len(out["results"]["orders"]) == reps
+    assert_measured(out["results"], ["trainsnap", "torch", "dcp", "raw"], ["save", "load"])
+    labels = [f"{op}: trainsnap/{other}" for op in ("save", "load") for other in ("DCP", "raw")]
+    assert_verdicts(text, [*labels, "save: trainsnap/torch.save", "load: trainsnap/torch.load"])
+    assert out["eviction_probe"]["cold_read_s"] > 0
+
+
+def test_async_pause(tmp_path: Path) -> None:
+    text, out = run_benchmark("async_pause", tmp_path)
+    for method in ("trainsnap", "dcp"):
+        assert f"warm-up {method}: saved, changed while draining, loaded, verified" in text
+    results = out["pause"]["results"]
+    assert_measured(results, ["memcpy", "np.copyto", "trainsnap", "dcp"], ["pause"])
+    assert_measured(results, ["trainsnap"], ["call", "drain", "capture", "stage"])
+    assert_verdicts(
+        text,
+        [
+            "trainsnap pause / memcpy limit",
+            "trainsnap call / memcpy limit",
+            "trainsnap pause / np.copyto",
+            "dcp (default) pause / trainsnap pause",
+        ],
+    )
+    cases = out["drain"]["cases"]
+    assert cases and all(case["slowdown_median"] > 0 for case in cases.values())
+    assert "draining, io_threads=" in text
+
+
+def test_distributed(tmp_path: Path) -> None:
+    text, out = run_benchmark("distributed", tmp_path)
+    sharded, reshard = out["io"]["sharded"], out["io"]["reshard"]
+    assert_measured(sharded["results"], ["trainsnap", "dcp"], ["save", "load"])
+    assert_measured(sharded["results"], ["raw"], ["load"])
+    assert_measured(reshard["results"], ["trainsnap", "dcp", "raw"], ["load"])
+    for part, world in ((sharded, 4), (reshard, 2)):
+        assert len(part["per_rank"]) == world
+        for rank in part["per_rank"]:
+            assert rank["checked_bytes"]["trainsnap"] == rank["checked_bytes"]["dcp"] > 0
+            assert rank["raw_bytes"] > 0
+    assert_verdicts(
+        text,
+        [
+            "sharded save: trainsnap/DCP",
+            "sharded load: trainsnap/DCP",
+            "sharded load: trainsnap/raw reads",
+            "resharded load: trainsnap/DCP",
+            "resharded load: DCP/raw reads",
+            "16-rank plan_save (s)",
+            "16-rank manifest decode (s)",
+        ],
+    )
+    assert out["sim"]["bytes_written"] == out["sim"]["bytes_expected"]
+
+
+def test_planner_sim(tmp_path: Path) -> None:
+    text, out = run_benchmark("planner_sim", tmp_path)
+    sim = out["sim"]
+    assert sim["world"] == 16 and sim["bytes_written"] == sim["bytes_expected"] > 0
+    assert sim["objects"] > 0 and sim["manifest_bytes"] > 0
+    assert_verdicts(text, ["16-rank plan_save (s)", "16-rank manifest decode (s)"])
+    assert [check["label"] for check in out["checks"]][-1].startswith("writer balance")
+
+
+def _assert_compression(out: dict[str, Any]) -> None:
+    results = out["results"]
+    assert len(results) == 12  # 4 kinds x 3 codecs
+    assert all(r["bitwise_equal"] and r["save_MBps"] > 0 and r["load_MBps"] > 0 for r in results)
+    assert all(r["ratio"] < 1 for r in results if r["codec"] == "bytegroup+zstd")
+
+
+def test_incremental(tmp_path: Path) -> None:
+    text, out = run_benchmark("incremental", tmp_path, "--part", "incremental")
+    scenarios = {result["label"]: result for result in out["incremental"]}
+    assert len(scenarios) == 5
+    for result in scenarios.values():
+        assert result["log_agrees"], result["label"]
+        assert len(result["snapshots"]) == out["config"]["snapshots"]
+        assert result["snapshots"][1]["chunk_changed_bytes"] > 0
+    sparse = scenarios["sparse-sgd chunk=1MiB"]["snapshots"][1]
+    assert sparse["written"] < sparse["referenced"]
+    assert_verdicts(text, ["lora chunk=32MiB: largest written/referenced after the first"])
+    assert "compression" not in out  # part 2 is benchmarks.compression: test_compression
+
+
+def test_compression(tmp_path: Path) -> None:
+    text, out = run_benchmark("compression", tmp_path)
+    assert text.count("(bitwise equal)") == 12
+    _assert_compression(out["compression"])
+    assert_verdicts(text, ["fp32 weights bytegroup+zstd: stored/raw"])
+
+
+def test_no_sys_path() -> None:
+    """The benchmarks are a package run with ``-m``: none of them edits ``sys.path``."""
+    sources = sorted((REPO / "benchmarks").rglob("*.py"))
+    assert len(sources) > 10
+    assert [p.name for p in sources if "sys.path" in p.read_text()] == []
