@@ -1,0 +1,348 @@
+"""The control plane (``protocol/control_plane.py``) over a real ``torch.distributed.TCPStore``.
+
+One master store on loopback; each logical rank is a thread with a store client of its own, as each
+process of a job would have (and each session clones that client, as it does in a job). Timeouts
+are short where a lost peer must be found, so that it is found in about a second.
+
+Two precautions keep the timings honest on a loaded or sandboxed machine, where an occasional
+TCPStore connect has been seen to take 5 s on loopback: the clients are made once per module, and
+before a timed exchange every live rank waits until its session's heartbeat thread has beaten
+(a session connects twice: a rank still connecting has not started beating). Where every rank is
+alive the heartbeat timeout is generous, so that a slow connect is not taken for a dead peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore
+
+from trainsnap.errors import CommitFailedError, TrainsnapError
+from trainsnap.protocol.control_plane import (
+    LocalComm,
+    PeerLost,
+    StoreComm,
+    StoreSession,
+    Timeouts,
+)
+
+ALIVE = Timeouts(exchange=60.0, heartbeat=30.0, beat_every=0.05)
+"""Every rank alive: nothing is declared lost, however slow a connect."""
+FAST = Timeouts(exchange=60.0, heartbeat=0.6, beat_every=0.05)
+"""A lost peer is found 0.6 s after the first look at it."""
+STORE_TIMEOUT = timedelta(seconds=30)
+MAX_WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[tuple[TCPStore, list[TCPStore]]]:
+    """The master (the rendezvous store of a job) and one client per rank, made in parallel."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+
+    def client(_rank: int) -> TCPStore:
+        return TCPStore("127.0.0.1", master.port, is_master=False, timeout=STORE_TIMEOUT)
+
+    with ThreadPoolExecutor(max_workers=MAX_WORLD) as pool:
+        clients = list(pool.map(client, range(MAX_WORLD)))
+    yield master, clients
+
+
+@pytest.fixture
+def master(store: tuple[TCPStore, list[TCPStore]]) -> TCPStore:
+    return store[0]
+
+
+@pytest.fixture
+def run(store: tuple[TCPStore, list[TCPStore]]) -> Callable[..., list[Any]]:
+    """``run(world, body, **comm_kwargs)``: ``body(comm)`` on every rank at once, each on a thread
+    with its own client, in a namespace of this test's own; each rank's result, or its exception."""
+    master, clients = store
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+
+    def run_ranks(world: int, body: Callable[[StoreComm], Any], **kwargs: Any) -> list[Any]:
+        kwargs.setdefault("timeouts", ALIVE)
+        comms = [
+            StoreComm(clients[r], r, world, namespace=namespace, **kwargs) for r in range(world)
+        ]
+
+        def guarded(c: StoreComm) -> Any:
+            try:
+                return body(c)
+            except Exception as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=world) as pool:
+            futures = [pool.submit(guarded, c) for c in comms]
+            return [f.result(timeout=60) for f in futures]
+
+    run_ranks.master = master  # type: ignore[attr-defined]
+    return run_ranks
+
+
+def in_session(c: StoreComm, body: Callable[[StoreSession], Any]) -> Any:
+    session = c.session("save")
+    try:
+        return body(session)
+    finally:
+        session.close()
+
+
+def beating(master: TCPStore, session: StoreSession) -> StoreSession:
+    """Wait until the session's heartbeat thread is connected and has beaten once."""
+    deadline = time.monotonic() + 30
+    while int(master.add(session._beat_key, 0)) < 2:
+        assert time.monotonic() < deadline, "the heartbeat thread never beat"
+        time.sleep(0.01)
+    return session
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn()'s result or the PeerLost it raised, seconds it took)."""
+    start = time.monotonic()
+    try:
+        out = fn()
+    except PeerLost as e:
+        out = e
+    return out, time.monotonic() - start
+
+
+# -- exchanges deliver the right values to every rank ---------------------------------------------
+
+
+def test_gather_gives_the_coordinator_every_rank_object_by_rank(run: Any) -> None:
+    def body(c: StoreComm) -> Any:
+        return in_session(c, lambda s: s.gather("meta", {"rank": c.rank, "sq": c.rank**2}))
+
+    out = run(4, body)
+    assert out[0] == [{"rank": r, "sq": r * r} for r in range(4)]
+    assert out[1:] == [None, None, None]
+
+
+def test_broadcast_gives_every_rank_the_coordinator_object(run: Any) -> None:
+    plan = {"snapshot_id": "abc", "writers": [3, 1, 2, 0], "blob": b"\x00\xff" * 1000}
+
+    def body(c: StoreComm) -> Any:
+        mine = plan if c.is_coordinator else {"ignored": c.rank}
+        return in_session(c, lambda s: s.broadcast("plan", mine))
+
+    assert run(4, body) == [plan] * 4
+
+
+def test_scatter_gives_each_rank_its_own_part(run: Any) -> None:
+    parts = [f"assignment of rank {r}" for r in range(4)]
+
+    def body(c: StoreComm) -> Any:
+        return in_session(c, lambda s: s.scatter("assign", parts if c.is_coordinator else None))
+
+    assert run(4, body) == parts
+
+
+def test_a_whole_save_round_with_a_coordinator_other_than_rank_0(run: Any) -> None:
+    """gather -> scatter -> gather -> broadcast, as a save runs them, led by rank 2."""
+
+    def body(c: StoreComm) -> Any:
+        def steps(s: StoreSession) -> Any:
+            metas = s.gather("meta", 10 + c.rank)
+            plan = [sum(metas) * (r + 1) for r in range(c.world_size)] if metas else None
+            mine = s.scatter("plan", plan)
+            reports = s.gather("report", (c.rank, mine))
+            outcome = s.broadcast("outcome", {"committed": sorted(reports)} if reports else None)
+            return metas, mine, outcome
+
+        return in_session(c, steps)
+
+    out = run(3, body, coordinator=2)
+    total = 10 + 11 + 12
+    expect_outcome = {"committed": [(r, total * (r + 1)) for r in range(3)]}
+    for rank, (metas, mine, outcome) in enumerate(out):
+        assert metas == ([10, 11, 12] if rank == 2 else None)
+        assert mine == total * (rank + 1)
+        assert outcome == expect_outcome
+
+
+def test_sessions_keep_their_exchanges_apart_and_leave_no_keys_behind(run: Any) -> None:
+    master = run.master
+    before = master.num_keys()
+
+    def body(c: StoreComm) -> Any:
+        out = []
+        for save in range(2):  # the same tags in every session: each save sees its own values
+            out.append(
+                in_session(
+                    c,
+                    lambda s, save=save: (
+                        s.gather("meta", (save, c.rank)),
+                        s.broadcast("plan", f"plan {save}"),
+                        s.scatter("assign", [f"{save}/{r}" for r in range(3)]),
+                    ),
+                )
+            )
+        return out
+
+    out = run(3, body)
+    for rank, saves in enumerate(out):
+        for save, (gathered, plan, assigned) in enumerate(saves):
+            assert gathered == ([(save, r) for r in range(3)] if rank == 0 else None)
+            assert plan == f"plan {save}"
+            assert assigned == f"{save}/{rank}"
+    # Every exchange's keys and every heartbeat are gone: a long job does not grow the store.
+    assert master.num_keys() == before
+
+
+def test_a_coordinator_outside_the_world_is_refused(master: TCPStore) -> None:
+    with pytest.raises(ValueError, match="coordinator 3 outside world of 3"):
+        StoreComm(master, 0, 3, coordinator=3)
+
+
+# -- lost peers are found in time and named --------------------------------------------------------
+
+
+def test_a_rank_that_never_takes_part_is_named_once_its_heartbeat_timeout_passes(
+    run: Any,
+) -> None:
+    world, dead = 3, 2
+    live = threading.Barrier(world - 1)
+
+    def body(c: StoreComm) -> Any:
+        if c.rank == dead:
+            return "never started"
+        session = beating(run.master, c.session("save"))
+        try:
+            live.wait(30)
+            return timed(lambda: session.gather("meta", c.rank))
+        finally:
+            session.close()
+
+    out = run(world, body, timeouts=FAST)
+    err, seconds = out[0]
+    assert isinstance(err, PeerLost) and isinstance(err, CommitFailedError)
+    assert set(err.ranks) == {dead} and err.rank_errors == err.ranks
+    assert "no sign of life" in err.ranks[dead] and "report for 'meta'" in err.ranks[dead]
+    assert f"rank {dead}: no sign of life" in str(err)
+    assert FAST.heartbeat * 0.9 <= seconds < FAST.heartbeat + 2.0
+    assert out[1][0] is None  # a non-coordinator's gather returns at once
+
+
+def test_a_rank_that_stops_beating_mid_session_is_named(run: Any) -> None:
+    """A rank hung (or killed) after it joined: its heartbeat key stays, but stops changing."""
+    world, hung = 4, 3
+    joined = threading.Barrier(world)
+    coordinator_done = threading.Event()
+
+    def body(c: StoreComm) -> Any:
+        session = beating(run.master, c.session("save"))
+        try:
+            if c.rank == hung:
+                session._stop.set()  # what a killed process leaves: a heartbeat that stops
+                session._beater.join()
+                joined.wait(30)
+                coordinator_done.wait(30)
+                return "hung"
+            joined.wait(30)
+            return timed(lambda: session.gather("meta", c.rank))
+        finally:
+            if c.is_coordinator:
+                coordinator_done.set()
+            session.close()
+
+    out = run(world, body, timeouts=FAST)
+    err, seconds = out[0]
+    assert isinstance(err, PeerLost), err
+    assert list(err.ranks) == [hung] and "no sign of life" in err.ranks[hung]
+    assert FAST.heartbeat * 0.9 <= seconds < FAST.heartbeat + 2.0
+    assert [o[0] for o in out[1:hung]] == [None, None]
+
+
+def test_a_dead_coordinator_is_named_by_the_ranks_waiting_for_its_decision(run: Any) -> None:
+    world = 3
+    live = threading.Barrier(world - 1)
+
+    def body(c: StoreComm) -> Any:
+        if c.is_coordinator:
+            return "dead"
+        session = beating(run.master, c.session("save"))
+        try:
+            live.wait(30)
+            return timed(lambda: session.broadcast("plan"))
+        finally:
+            session.close()
+
+    out = run(world, body, timeouts=FAST)
+    for err, seconds in out[1:]:
+        assert isinstance(err, PeerLost)
+        assert list(err.ranks) == [0]
+        assert "no sign of life" in err.ranks[0] and "decision on 'plan'" in err.ranks[0]
+        assert FAST.heartbeat * 0.9 <= seconds < FAST.heartbeat + 2.0
+
+
+def test_a_slow_rank_that_keeps_beating_is_waited_for(run: Any) -> None:
+    """Slow is not dead: a rank that reports two heartbeat timeouts late is still heard."""
+    world, slow = 3, 1
+    joined = threading.Barrier(world)
+
+    def body(c: StoreComm) -> Any:
+        session = beating(run.master, c.session("save"))
+        try:
+            joined.wait(30)
+            if c.rank == slow:
+                time.sleep(2 * FAST.heartbeat)
+            return timed(lambda: session.gather("report", f"report {c.rank}"))
+        finally:
+            session.close()
+
+    out = run(world, body, timeouts=FAST)
+    gathered, seconds = out[0]
+    assert gathered == ["report 0", "report 1", "report 2"]
+    assert seconds >= 2 * FAST.heartbeat * 0.9  # it did wait for the slow one
+
+
+def test_a_live_rank_that_never_reports_is_named_when_the_exchange_times_out(run: Any) -> None:
+    timeouts = Timeouts(exchange=1.0, heartbeat=30.0, beat_every=0.05)
+    silent = 1
+    done = threading.Event()
+
+    def body(c: StoreComm) -> Any:
+        def steps(s: StoreSession) -> Any:
+            if c.rank == silent:
+                done.wait(30)  # alive (its session beats) but never delivers
+                return "silent"
+            try:
+                return timed(lambda: s.gather("report", c.rank))
+            finally:
+                done.set()
+
+        return in_session(c, steps)
+
+    out = run(2, body, timeouts=timeouts)
+    err, seconds = out[0]
+    assert isinstance(err, PeerLost)
+    assert err.ranks == {silent: "no report for 'report' within the 1 s timeout"}
+    assert 0.9 <= seconds < 3.0
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+def test_local_comm_is_a_world_of_one() -> None:
+    c = LocalComm()
+    assert (c.rank, c.world_size, c.coordinator, c.is_coordinator) == (0, 1, 0, True)
+    s = c.session("save")
+    obj = {"a": [1, 2]}
+    assert s.gather("meta", obj) == [obj]
+    assert s.broadcast("plan", obj) is obj
+    assert s.scatter("assign", ["only", "ignored"]) == "only"
+    s.close()
+
+
+def test_peer_lost_is_a_trainsnap_error_carrying_every_lost_rank() -> None:
+    err = PeerLost("2 rank(s) did not deliver", {3: "gone", 1: "hung"})
+    assert isinstance(err, TrainsnapError) and isinstance(err, CommitFailedError)
+    assert err.ranks == {3: "gone", 1: "hung"} and err.rank_errors == err.ranks
+    assert str(err) == "2 rank(s) did not deliver\n  - rank 1: hung\n  - rank 3: gone"
