@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-rank tests use the harness in ``tests/harness.py``; the S3 server on
+"""Shared fixtures. Multi-rank tests use the harness in ``trainsnap.testing``; the S3 server on
 loopback lives in ``tests/s3_fixture.py``."""
 
 from __future__ import annotations
