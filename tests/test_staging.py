@@ -209,17 +209,6 @@ def test_check_fits_compares_a_save_with_the_budget() -> None:
     StagingPool().check_fits([2**40])  # no budget: anything fits
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: an idle arena is never freed nor counted as reclaimable. After a save of one layout "
-        "has been released, a save of another layout (a state whose optimizer state appeared "
-        "after the first save, or a dtype that changed) that check_fits accepts is refused by "
-        "stage_many with BudgetExceeded, because _trim only frees loose buffers, not idle arenas; "
-        "save_protocol._stage does not catch that BudgetExceeded, so the save fails instead of "
-        "falling back to writing synchronously"
-    ),
-)
 def test_a_new_layout_that_fits_the_budget_is_staged_once_the_old_one_is_released() -> None:
     pool = StagingPool(budget=1000)
     before = Lease()
@@ -232,6 +221,31 @@ def test_a_new_layout_that_fits_the_budget_is_staged_once_the_old_one_is_release
     views = pool.stage_many(after, lease)
     assert bytes(views[0]) == row_major_bytes(after[0])
     assert pool.allocated <= 1000
+
+
+def test_idle_arenas_of_layouts_no_longer_saved_are_freed_without_a_budget() -> None:
+    pool = StagingPool()
+    for n in range(1, 6):  # five layouts in turn, each released after its save
+        lease = Lease()
+        pool.stage_many([torch.ones(100 * n)], lease)
+        pool.release(lease)
+    assert pool.allocated <= (400 + 500) * 4 + 2 * 64  # only the two newest layouts stay warm
+
+
+def test_an_async_save_that_cannot_be_staged_is_written_synchronously(tmp_path) -> None:
+    import trainsnap as ts
+
+    saver = ts.AsyncSaver(staging_budget=100_000)
+    small = {"w": torch.ones(10_000)}  # 40 KB
+    ts.async_save(small, tmp_path, step=1, saver=saver).wait()
+    held = Lease()  # another save's buffers, still in use, fill most of the budget
+    saver.pool.stage_many([torch.ones(12_000)], held)
+    grown = {"w": torch.ones(10_000), "m": torch.ones(5_000)}  # 60 KB, a new layout
+    info = ts.async_save(grown, tmp_path, step=2, saver=saver).wait()
+    saver.pool.release(held)
+    out = {"w": torch.zeros(10_000), "m": torch.zeros(5_000)}
+    ts.load(out, tmp_path, snapshot=info.id)
+    assert torch.equal(out["w"], grown["w"]) and torch.equal(out["m"], grown["m"])
 
 
 # -- the staged bytes are the source's bytes ------------------------------------------------------

@@ -22,10 +22,16 @@ from typing import Any
 import torch
 
 from trainsnap.engine.buffers import tensor_bytes
+from trainsnap.errors import TrainsnapError
+
+_WARM_LAYOUTS = 2
+"""Layouts whose idle arenas are kept for reuse (a state usually alternates between at most a
+full and a weights-only layout)."""
 
 
-class BudgetExceeded(Exception):
-    """The pool cannot hold this save within its budget."""
+class BudgetExceeded(TrainsnapError):
+    """The pool cannot hold this save within its budget (the save is then written
+    synchronously, from the state itself)."""
 
 
 @dataclass(slots=True)
@@ -87,7 +93,8 @@ class StagingPool:
         return buf
 
     def _trim(self, need: int) -> None:
-        """Free idle buffers, largest first, until ``need`` bytes are released (lock held)."""
+        """Free idle buffers, largest first, then idle arenas, oldest layout first, until
+        ``need`` bytes are released (lock held)."""
         idle = sorted(((n, p) for (n, p), bufs in self._free.items() for _ in bufs), reverse=True)
         for n, p in idle:
             if need <= 0:
@@ -95,6 +102,21 @@ class StagingPool:
             self._free[(n, p)].pop()
             self._allocated -= n
             need -= n
+        for key in list(self._arenas):
+            if need <= 0:
+                return
+            need -= self._drop_idle_arenas(key)
+
+    def _drop_idle_arenas(self, key: tuple[Any, ...]) -> int:
+        """Free the idle arenas of one layout; the bytes freed (lock held)."""
+        keep = [arena for arena in self._arenas[key] if arena.busy]
+        freed = sum(a.buffer.numel() for a in self._arenas[key] if not a.busy)
+        if keep:
+            self._arenas[key] = keep
+        else:
+            del self._arenas[key]
+        self._allocated -= freed
+        return freed
 
     def check_fits(self, sizes: list[int]) -> None:
         """Raise :class:`BudgetExceeded` unless a save of these payload sizes fits."""
@@ -141,6 +163,10 @@ class StagingPool:
         arena = _Arena(buf, views, bviews, busy=True)
         with self._lock:
             self._arenas.setdefault(key, []).append(arena)
+            # A layout that changed for good (optimizer state appeared, a dtype changed) must
+            # not keep its arenas forever: only the newest few layouts stay warm.
+            for old in list(self._arenas)[:-_WARM_LAYOUTS]:
+                self._drop_idle_arenas(old)
         return arena
 
     def stage(self, tensor: torch.Tensor, lease: Lease) -> memoryview:

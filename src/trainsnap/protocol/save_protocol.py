@@ -196,6 +196,10 @@ def _stage(pending: PendingSave, pool: StagingPool) -> Lease | None:
         views = pool.stage_many([tensors[i].local for i in which], lease)
         for i, view in zip(which, views, strict=True):
             pending.local.staged[i] = (view, tensors[i].local)
+    except BudgetExceeded as e:  # the pool's buffers in use cannot make room: write from the state
+        pool.release(lease)
+        log.warning("snapshot %s is saved synchronously: %s", pending.snapshot_id, e)
+        return None
     except BaseException:
         pool.release(lease)
         raise
