@@ -499,3 +499,23 @@ def test_export_to_a_file_is_one_line_of_error_not_a_traceback(tmp_path: Path) -
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
     assert "not a directory" in out.stderr and len(out.stderr.strip().splitlines()) <= 3
+
+
+def test_a_root_that_is_itself_a_symlink_works_and_stays_inside(tmp_path: Path) -> None:
+    """A user's root may be a link (``/ckpt -> /mnt/fast/ckpt``): everything works through it,
+    and nothing beside its target is touched."""
+    outside = _outside(tmp_path)
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    before = _canaries(outside)
+    first = ts.save(_state(), link, step=1).id
+    ts.save(_state(), link, step=2)
+    collection.delete_snapshot(open_storage(link), first)
+    collection.collect(open_storage(link), grace=None)
+    assert [s.step for s in ts.list_snapshots(link)] == [2]
+    assert ts.load(_destination(), link).step == 2
+    assert ts.verify(link).ok
+    assert _canaries(outside) == before
+    assert any((real / "objects").rglob("*"))
