@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -47,7 +48,7 @@ from trainsnap.errors import (
     TrainsnapError,
 )
 from trainsnap.format.manifest import Manifest, level_rank
-from trainsnap.manager import collection, lease
+from trainsnap.manager import collection, lease, restarts
 from trainsnap.manager.options import LocalTier, ManagerOptions
 from trainsnap.manager.policies import (
     Candidate,
@@ -67,6 +68,17 @@ from trainsnap.state.train_state import TrainState
 from trainsnap.storage import Root, Storage, open_storage
 
 log = logging.getLogger("trainsnap.manager")
+
+_PROCESS_START = time.time()
+"""When this process started, as near as it can tell: the kernel's start time of the process,
+or when trainsnap was imported."""
+try:
+    with open("/proc/self/stat") as _stat, open("/proc/stat") as _boot:
+        _ticks = int(_stat.read().rsplit(")", 1)[1].split()[19])
+        _btime = next(int(line.split()[1]) for line in _boot if line.startswith("btime"))
+        _PROCESS_START = _btime + _ticks / os.sysconf("SC_CLK_TCK")
+except (OSError, ValueError, IndexError, StopIteration):
+    pass
 
 _manager_seq = itertools.count(1)
 
@@ -122,6 +134,8 @@ class CheckpointManager:
             skip_if_busy=options.skip_if_busy,
             staging_budget=options.staging_budget,
         )
+        self._restored_at: float | None = None
+        self._last_progress = -math.inf
         self._decisions = _Decisions(self.comm, next(_manager_seq))
         self._preempt_flag = threading.Event()
         self.preempted = False
@@ -164,7 +178,7 @@ class CheckpointManager:
                 crashed["generation"],
                 crashed["kind"],
             )
-        lease.record(self.storage, gen, "start")
+        lease.record(self.storage, gen, "start", interval=repr(self.policies))
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
     def _tiers(self) -> list[_Tier]:
@@ -201,6 +215,7 @@ class CheckpointManager:
         to older ones (and from the local tier to the durable one) when it is damaged, saying
         why. Snapshots that cannot give ``level`` (a weights-only save) are passed over unless
         ``allow_downgrade``. None when no tier holds any."""
+        started = time.perf_counter()
         candidates = self._candidates(state, level, allow_downgrade)
         for sid, tier_names in candidates:
             for name in tier_names:
@@ -227,9 +242,17 @@ class CheckpointManager:
                     self._record("restore_failed", snapshot=sid, tier=name, error=str(e)[:500])
                     continue
                 self._last_save_step, self._last_save_time = info.step, time.monotonic()
+                self._restored_at = time.monotonic()
                 self._record(
-                    "restore", snapshot=info.id, step=info.step, level=info.level, tier=name
+                    "restore",
+                    snapshot=info.id,
+                    step=info.step,
+                    level=info.level,
+                    tier=name,
+                    seconds=time.perf_counter() - started,
+                    since_start=time.time() - _PROCESS_START,
                 )
+                self._log_restart()
                 return info
         if candidates:
             raise TrainsnapError(
@@ -238,6 +261,29 @@ class CheckpointManager:
                 "above for each one's damage"
             )
         return None
+
+    def _log_restart(self) -> None:
+        """(coordinator) One line on what this restart lost and how long it took."""
+        if not self.comm.is_coordinator:
+            return
+        runs = restarts.history(lease.events(self.storage), lease.progress(self.storage)).runs
+        if len(runs) < 2 or runs[-1].lost_steps is None:
+            return
+        previous, run = runs[-2], runs[-1]
+        log.info(
+            "restart: generation %d restored step %s (%s): lost %d step(s), %.1f s of training; "
+            "the previous run reached step %s and ended with %s; restore %.3f s, %.1f s after "
+            "the process started",
+            run.generation,
+            run.restored_step,
+            run.restored_snapshot,
+            run.lost_steps,
+            run.lost_seconds or 0.0,
+            previous.step_reached,
+            previous.end,
+            run.restore_seconds or 0.0,
+            run.since_start_seconds or 0.0,
+        )
 
     def _agree_fallback(self, error: TrainsnapError) -> bool:
         """Fall back to an older snapshot only if every rank's failure is damage to this one
@@ -282,6 +328,18 @@ class CheckpointManager:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def _note_progress(self, step: int, now: float) -> None:
+        """(coordinator) The restart log's view of how far this run got: the first step after a
+        restore, and this run's progress record at most every ``progress_seconds``."""
+        if not self.comm.is_coordinator or self.generation is None:
+            return
+        if self._restored_at is not None:
+            self._record("first_step", step=step, seconds=now - self._restored_at)
+            self._restored_at = None
+        if now - self._last_progress >= self.options.progress_seconds:
+            lease.record_progress(self.storage, self.generation, step)
+            self._last_progress = now
+
     def step(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> bool:
         """Call after each optimizer step. Saves when a policy (or a preemption) says so;
         returns True if it saved. After a preemption save, :attr:`preempted` is True."""
@@ -290,6 +348,7 @@ class CheckpointManager:
         if self._last_step_time is not None:
             self._step_times.append(now - self._last_step_time)
         self._last_step_time = now
+        self._note_progress(step, now)
         info = StepInfo(
             step=step,
             now=now,
@@ -388,6 +447,7 @@ class CheckpointManager:
             "save",
             snapshot=manifest.snapshot_id,
             step=manifest.step,
+            pause=self._save_costs[-1] if self._save_costs else None,
             nbytes=manifest.nbytes,
             bytes_written=bytes_written,
             level=manifest.level,

@@ -125,6 +125,34 @@ def record(storage: Storage, generation: int, kind: str, **fields: Any) -> None:
         log.warning("could not record %s event in %s: %s", kind, storage.url, e)
 
 
+_PROGRESS = "progress/gen-"
+
+
+def record_progress(storage: Storage, generation: int, step: int) -> None:
+    """Overwrite this generation's progress record: the last step it completed, and when. One
+    small object per generation (not per step), so a crashed run's reach is known to within
+    the manager's ``progress_seconds``."""
+    body = json.dumps({"step": step, "time": time.time(), "generation": generation}).encode()
+    try:
+        storage.put(f"{_PROGRESS}{generation:012d}.json", body)
+    except OSError as e:  # advisory, as the log is
+        log.warning("could not record progress in %s: %s", storage.url, e)
+
+
+def progress(storage: Storage) -> dict[int, dict[str, Any]]:
+    """Every generation's progress record, by generation."""
+    out: dict[int, dict[str, Any]] = {}
+    for key in storage.list("progress/"):
+        try:
+            doc = json.loads(storage.get(key))
+            generation = int(key[len(_PROGRESS) :].removesuffix(".json"))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(doc, dict):
+            out[generation] = doc
+    return out
+
+
 def events(storage: Storage) -> list[dict[str, Any]]:
     out = []
     for key in sorted(storage.list("events/")):

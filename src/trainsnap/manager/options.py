@@ -36,6 +36,9 @@ class ManagerOptions:
     quantize_history: bool = False
     """Keep the optimizer state of retained snapshots other than the newest at bfloat16
     precision (recorded as approximate: they restore at ``training``)."""
+    progress_seconds: float = 30.0
+    """How often the coordinator records how far the run got (one small object per run,
+    overwritten): the resolution of the lost work a crash's restart reports."""
     coordinator: int = 0
     """The rank that plans and commits."""
     timeout: float | None = None

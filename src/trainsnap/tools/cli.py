@@ -34,12 +34,13 @@ from trainsnap.api.verification import Progress as ProgressCallback
 from trainsnap.api.verification import VerifyReport, verify_root
 from trainsnap.errors import IncompleteError, InvalidArgumentError, NotFoundError, TrainsnapError
 from trainsnap.format.manifest import check_snapshot_id
-from trainsnap.manager import collection, lease
+from trainsnap.manager import collection, lease, restarts
 from trainsnap.manager.policies import daly_interval, parse_duration, young_interval
 from trainsnap.protocol import commit
 from trainsnap.protocol.commit import resolve
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Storage, open_storage
+from trainsnap.tools import plot as plot_module
 from trainsnap.tools import render
 from trainsnap.tools.diff import (
     ADDED,
@@ -365,6 +366,65 @@ def interval_command(
     _say(f"cost {c:g} s, MTBF {m:g} s")
     _say(f"Young: {young_interval(c, m):.1f} s ({young_interval(c, m) / 60:.2f} min)")
     _say(f"Daly:  {daly_interval(c, m):.1f} s ({daly_interval(c, m) / 60:.2f} min)")
+
+
+@app.command("history")
+@_reports_errors
+def history_command(
+    root: RootArg,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the runs and totals as JSON for programs.")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw steps over wall time, crashes marked, as a PNG file."),
+    ] = None,
+) -> None:
+    """Every run and restart of the job on ROOT: how far each run got, what each restart lost
+    (steps and seconds), how long restores took, and the job's goodput and MTBF."""
+    storage = open_storage(root)
+    job = restarts.history(lease.events(storage), lease.progress(storage))
+    if as_json:
+        _out().print_json(json.dumps(job.as_dict()))
+    elif not job.runs:
+        found = commit.list_committed(storage)
+        _say(
+            f"{storage.url} has no restart log (snapshots saved without a CheckpointManager): "
+            f"{len(found)} committed snapshot(s), newest step "
+            + (str(found[-1].step) if found else "-")
+        )
+    else:
+        _out().print(render.history_table(job.runs))
+        for line in render.history_totals(job):
+            _say(line)
+    if plot is not None and job.runs:
+        _say(f"plot: {_history_plot(job, plot)}")
+
+
+def _history_plot(job: restarts.History, path: Path) -> Path:
+    origin = min(run.started for run in job.runs)
+    series, marks = [], []
+    palette = ("blue", "orange", "green", "purple", "red", "grey")
+    for i, run in enumerate(job.runs):
+        points = [(when - origin, float(step)) for when, step in run.saves]
+        if run.restored_at is not None and run.restored_step is not None:
+            points.insert(0, (run.restored_at - origin, float(run.restored_step)))
+        if run.time_reached is not None and run.step_reached is not None:
+            points.append((run.time_reached - origin, float(run.step_reached)))
+        if points:
+            series.append((f"run {run.generation} ({run.end})", sorted(points), palette[i % 6]))
+        if run.end == "crash" and run.time_reached is not None:
+            marks.append(
+                plot_module.Mark(run.time_reached - origin, f"crash {run.generation}", "red")
+            )
+    return plot_module.png_chart(
+        series,
+        path,
+        title="training progress across restarts",
+        x_label="wall time (s)",
+        y_label="step",
+        marks=marks,
+    )
 
 
 # -- export, import-dcp, diff --------------------------------------------------------------------

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from trainsnap.format.manifest import Manifest
 from trainsnap.format.regions import Flat, Region
+from trainsnap.manager.restarts import History, Run
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.tools.diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff
 
@@ -295,3 +296,59 @@ def diff_table(title: str, diffs: Sequence[TensorDiff]) -> Table:
             number_text(d.rel_norm),
         )
     return table
+
+
+# -- the restart history ---------------------------------------------------------------------------
+
+
+def _seconds_text(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
+def history_table(runs: Sequence[Run]) -> Table:
+    """One row per run: how it ended, how far it got, and what its restart cost."""
+    table = new_table("runs (one per writer generation)")
+    columns = ("gen", "started (UTC)", "ended", "reached", "restored", "lost steps", "lost s")
+    for name in (*columns, "restore s", "to 1st step s", "snapshot", "level"):
+        table.add_column(name, justify="left" if name in ("snapshot", "level") else "right")
+    for run in runs:
+        table.add_row(
+            str(run.generation),
+            utc_text(datetime.fromtimestamp(run.started, timezone.utc)),
+            run.end,
+            "-" if run.step_reached is None else str(run.step_reached),
+            "-" if run.restored_step is None else str(run.restored_step),
+            "-" if run.lost_steps is None else str(run.lost_steps),
+            _seconds_text(run.lost_seconds),
+            "-" if run.restore_seconds is None else f"{run.restore_seconds:.3f}",
+            _seconds_text(run.to_first_step_seconds),
+            run.restored_snapshot or "-",
+            run.level or "-",
+        )
+    return table
+
+
+def history_totals(job: History) -> list[str]:
+    """The totals under the table, one line each."""
+    lines = [
+        f"wall time {job.wall_seconds:.1f} s; down {job.down_seconds:.1f} s; "
+        f"lost work {job.lost_seconds:.1f} s; goodput "
+        + ("-" if job.goodput is None else f"{job.goodput:.1%}"),
+        "mean lost work per restart: "
+        + (
+            "- (no restart)"
+            if job.mean_lost_steps is None
+            else f"{job.mean_lost_steps:.1f} steps, {job.mean_lost_seconds or 0.0:.1f} s"
+        ),
+        f"crashes {job.crashes}; observed MTBF "
+        + ("- (fewer than one crash)" if job.mtbf_seconds is None else f"{job.mtbf_seconds:.0f} s"),
+    ]
+    if job.young_seconds is not None and job.daly_seconds is not None:
+        lines.append(
+            f"implied interval (save cost {job.save_cost_seconds:.3f} s): Young "
+            f"{job.young_seconds:.0f} s, Daly {job.daly_seconds:.0f} s; in use: "
+            f"{job.interval_in_use or '-'}"
+        )
+    else:
+        lines.append(f"interval in use: {job.interval_in_use or '-'}")
+    return lines

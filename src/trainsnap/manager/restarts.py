@@ -1,0 +1,191 @@
+"""Every run and restart of a job, from its restart log: how far each run got, how much work a
+restart lost, how long it was down, and the goodput of the whole job. Pure: it reads event
+dictionaries (:func:`trainsnap.manager.lease.events`) and progress records
+(:func:`trainsnap.manager.lease.progress`), and does no I/O.
+
+Definitions (all times are wall-clock seconds from the events):
+
+* A run is one writer generation. It ends in ``close``, ``preempt`` (a clean stop), or a crash
+  (its last event is anything else); the newest run may still be ``running``.
+* The step a run *reached* is the highest step it recorded: its progress record (written at most
+  every ``ManagerOptions.progress_seconds``), its saves, its restore.
+* The *lost work* of a restart: the step the previous run reached minus the step restored, and
+  the training seconds between the save of the restored step and the previous run's last
+  progress.
+* *Restore* seconds: resolving, reading, verifying and applying the snapshot; *since start*:
+  from the process's start to the restore done; *to first step*: from the restore done to the
+  first completed step after it.
+* *Goodput*: the share of the job's wall time that was neither down (between a run's last sign of
+  life and the next run's first step) nor lost work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainsnap.manager.lease import observed_mtbf
+from trainsnap.manager.policies import daly_interval, young_interval
+
+CLEAN_ENDS = ("close", "preempt")
+
+
+@dataclass(slots=True)
+class Run:
+    """One writer generation of the job."""
+
+    generation: int
+    started: float
+    ended: float
+    end: str
+    """``close``, ``preempt``, ``crash`` or ``running``."""
+    step_reached: int | None = None
+    time_reached: float | None = None
+    restored_step: int | None = None
+    restored_snapshot: str | None = None
+    restored_at: float | None = None
+    level: str | None = None
+    restore_seconds: float | None = None
+    since_start_seconds: float | None = None
+    to_first_step_seconds: float | None = None
+    lost_steps: int | None = None
+    lost_seconds: float | None = None
+    saves: list[tuple[float, int]] = field(default_factory=list)
+    save_pauses: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class History:
+    """The job's runs and what they add up to."""
+
+    runs: list[Run]
+    wall_seconds: float
+    down_seconds: float
+    lost_seconds: float
+    goodput: float | None
+    mean_lost_steps: float | None
+    mean_lost_seconds: float | None
+    mtbf_seconds: float | None
+    crashes: int
+    save_cost_seconds: float | None
+    young_seconds: float | None
+    daly_seconds: float | None
+    interval_in_use: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def history(
+    events: Sequence[Mapping[str, Any]], progress: Mapping[int, Mapping[str, Any]]
+) -> History:
+    """The runs in ``events`` (any order), with ``progress`` by generation."""
+    runs = [
+        _run(gen, evs, progress.get(gen)) for gen, evs in sorted(_by_generation(events).items())
+    ]
+    saved_at = {str(e.get("snapshot")): float(e["time"]) for e in events if e.get("kind") == "save"}
+    for previous, run in itertools.pairwise(runs):
+        _lost_work(previous, run, saved_at)
+    return _totals(runs, events)
+
+
+def _by_generation(events: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    for event in events:
+        if isinstance(event.get("time"), int | float) and isinstance(event.get("kind"), str):
+            out.setdefault(int(event.get("generation", 0)), []).append(event)
+    for evs in out.values():
+        evs.sort(key=lambda e: float(e["time"]))
+    return out
+
+
+def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, Any] | None) -> Run:
+    last = evs[-1]["kind"]
+    if last == "close" and any(e["kind"] == "preempt" for e in evs):
+        last = "preempt"  # stopped by a preemption signal, after saving
+    run = Run(
+        generation,
+        float(evs[0]["time"]),
+        float(evs[-1]["time"]),
+        last if last in CLEAN_ENDS else "crash",
+    )
+    reached: list[tuple[int, float]] = []
+    for event in evs:
+        kind, when = event["kind"], float(event["time"])
+        if kind == "restore":
+            run.restored_step, run.restored_at = _int(event.get("step")), when
+            run.restored_snapshot, run.level = event.get("snapshot"), event.get("level")
+            run.restore_seconds = _float(event.get("seconds"))
+            run.since_start_seconds = _float(event.get("since_start"))
+        elif kind == "first_step":
+            run.to_first_step_seconds = _float(event.get("seconds"))
+        elif kind == "save" and _int(event.get("step")) is not None:
+            run.saves.append((when, int(event["step"])))
+            if _float(event.get("pause")) is not None:
+                run.save_pauses.append(float(event["pause"]))
+        if _int(event.get("step")) is not None and kind in ("save", "restore", "preempt"):
+            reached.append((int(event["step"]), when))
+    if progress and _int(progress.get("step")) is not None and _float(progress.get("time")):
+        reached.append((int(progress["step"]), float(progress["time"])))
+        run.ended = max(run.ended, float(progress["time"]))
+    if reached:
+        run.step_reached, run.time_reached = max(reached)
+    return run
+
+
+def _lost_work(previous: Run, run: Run, saved_at: Mapping[str, float]) -> None:
+    if run.restored_step is None or previous.step_reached is None:
+        return
+    run.lost_steps = max(0, previous.step_reached - run.restored_step)
+    saved = saved_at.get(str(run.restored_snapshot))
+    if run.lost_steps == 0:
+        run.lost_seconds = 0.0
+    elif saved is not None and previous.time_reached is not None:
+        run.lost_seconds = max(0.0, previous.time_reached - saved)
+
+
+def _totals(runs: list[Run], events: Sequence[Mapping[str, Any]]) -> History:
+    wall = (max(r.ended for r in runs) - min(r.started for r in runs)) if runs else 0.0
+    down = 0.0
+    for previous, run in itertools.pairwise(runs):
+        back = (run.restored_at or run.started) + (run.to_first_step_seconds or 0.0)
+        down += max(0.0, back - previous.ended)
+    restarts = [r for r in runs[1:] if r.lost_steps is not None]
+    lost = sum(r.lost_seconds or 0.0 for r in restarts)
+    mtbf, crashes = observed_mtbf([dict(e) for e in events])
+    pauses = [p for r in runs for p in r.save_pauses]
+    cost = statistics.median(pauses) if pauses else None
+    starts = [e for e in events if e.get("kind") == "start" and e.get("interval")]
+    return History(
+        runs=runs,
+        wall_seconds=wall,
+        down_seconds=down,
+        lost_seconds=lost,
+        goodput=(wall - down - lost) / wall if wall > 0 else None,
+        mean_lost_steps=_mean([r.lost_steps for r in restarts]),
+        mean_lost_seconds=_mean([r.lost_seconds for r in restarts]),
+        mtbf_seconds=mtbf,
+        crashes=crashes,
+        save_cost_seconds=cost,
+        young_seconds=young_interval(cost, mtbf) if cost and mtbf else None,
+        daly_seconds=daly_interval(cost, mtbf) if cost and mtbf else None,
+        interval_in_use=str(starts[-1]["interval"]) if starts else None,
+    )
+
+
+def _mean(values: list[Any]) -> float | None:
+    known = [float(v) for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None

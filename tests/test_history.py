@@ -1,0 +1,156 @@
+"""The restart history: real training processes killed at known steps and restarted, then
+`trainsnap history` must show each restart's lost work and restore time as they happened."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import trainsnap as ts
+from trainsnap.manager import lease, restarts
+
+_TRAIN = textwrap.dedent(
+    """
+    import logging, os, signal, sys
+    import torch, trainsnap as ts
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    root, kill_at, term_at, total = sys.argv[1], *map(int, sys.argv[2:5])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ts.TrainState(model=model, optimizer=opt)
+    mgr = ts.CheckpointManager(
+        root, interval=ts.Every(steps=4), async_save=False,
+        options=ts.ManagerOptions(progress_seconds=0.0),
+    )
+    info = mgr.restore(state)
+    for step in range(0 if info is None else info.step + 1, total):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.step(step, state)
+        if mgr.preempted:
+            break
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+    mgr.close()
+    """
+)
+
+
+def _train(root: Path, *, kill_at: int = -1, term_at: int = -1, total: int = 24) -> str:
+    """Run the loop in a real process; its log (stderr)."""
+    args = [str(root), str(kill_at), str(term_at), str(total)]
+    cmd = [sys.executable, "-c", _TRAIN, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    expected = -signal.SIGKILL if kill_at >= 0 else 0
+    assert out.returncode == expected, out.stderr[-3000:]
+    return out.stderr
+
+
+def _history_json(root: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "history", str(root), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def _load_seconds(log: str) -> float:
+    (found,) = re.findall(
+        r"loaded snapshot \S+ step=\d+ level=\S+ bytes_read=\d+ seconds=([\d.]+)", log
+    )
+    return float(found)
+
+
+def test_two_crashes_show_their_lost_work_and_restore_times(tmp_path: Path) -> None:
+    _train(tmp_path, kill_at=10)
+    second_log = _train(tmp_path, kill_at=17)
+    third_log = _train(tmp_path)
+    saved = [s.step for s in ts.list_snapshots(tmp_path)]
+    job = _history_json(tmp_path)
+    runs = job["runs"]
+    assert [r["end"] for r in runs] == ["crash", "crash", "close"]
+    assert [r["step_reached"] for r in runs] == [10, 17, 23]
+    for run, killed_at in zip(runs[1:], (10, 17), strict=True):
+        restored = max(s for s in saved if s <= killed_at)  # the newest save before the kill
+        assert run["restored_step"] == restored
+        assert run["lost_steps"] == killed_at - restored
+        assert run["lost_seconds"] is not None and run["lost_seconds"] >= 0
+        assert run["to_first_step_seconds"] is not None
+    for run, log in zip(runs[1:], (second_log, third_log), strict=True):
+        load = _load_seconds(log)  # the load's own log line, inside the restore
+        assert load <= run["restore_seconds"] < load + 2.0, (load, run["restore_seconds"])
+        assert f"lost {run['lost_steps']} step(s)" in log  # the restart's log line
+    assert job["crashes"] == 2 and job["mtbf_seconds"] is not None
+    assert 0 < job["goodput"] <= 1
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainsnap.tools.cli",
+            "history",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "history.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "goodput" in out.stdout, out.stderr[-2000:]
+    assert (tmp_path / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_preemption_restart_loses_no_step(tmp_path: Path) -> None:
+    _train(tmp_path, term_at=10)  # SIGTERM after step 10: the manager saves step 11 and stops
+    _train(tmp_path)
+    first, second = _history_json(tmp_path)["runs"]
+    assert first["end"] == "preempt" and first["step_reached"] == 11
+    assert second["restored_step"] == 11 and second["lost_steps"] == 0
+    assert second["lost_seconds"] == 0.0
+
+
+def test_a_root_without_a_restart_log_prints_what_it_can(tmp_path: Path) -> None:
+    ts.save({"w": torch.ones(3)}, tmp_path, step=5)
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "history", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no restart log" in out.stdout and "newest step 5" in out.stdout
+    assert restarts.history(lease.events(ts.open_storage(tmp_path)), {}).runs == []
+
+
+def test_lost_work_is_the_step_reached_less_the_step_restored() -> None:
+    """The arithmetic alone, on a hand-made log."""
+    events = [
+        {"time": 0.0, "generation": 1, "kind": "start"},
+        {"time": 5.0, "generation": 1, "kind": "save", "snapshot": "a", "step": 40, "pause": 0.5},
+        {"time": 20.0, "generation": 2, "kind": "start"},
+        {
+            "time": 23.0,
+            "generation": 2,
+            "kind": "restore",
+            "snapshot": "a",
+            "step": 40,
+            "seconds": 1.5,
+            "since_start": 3.0,
+        },
+        {"time": 24.0, "generation": 2, "kind": "first_step", "step": 41, "seconds": 1.0},
+        {"time": 60.0, "generation": 2, "kind": "close"},
+    ]
+    job = restarts.history(events, {1: {"step": 47, "time": 12.0}})
+    first, second = job.runs
+    assert (first.end, first.step_reached, first.time_reached) == ("crash", 47, 12.0)
+    assert (second.lost_steps, second.lost_seconds) == (7, 7.0)  # steps 41..47, 5 s -> 12 s
+    assert job.down_seconds == 24.0 - 12.0 and job.lost_seconds == 7.0
+    assert job.goodput == (60.0 - 12.0 - 7.0) / 60.0
