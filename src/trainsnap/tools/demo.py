@@ -34,8 +34,9 @@ from rich.table import Table
 
 from trainsnap.api.snapshots import list_snapshots
 from trainsnap.api.verification import verify_root
+from trainsnap.manager import lease, restarts
 from trainsnap.protocol import commit
-from trainsnap.storage import open_storage
+from trainsnap.storage import Storage, open_storage
 from trainsnap.tools.plot import Mark, png_chart, text_chart
 
 TOLERANCE = 1e-3
@@ -207,6 +208,20 @@ def _judge(ref: Phase, crash: Phase, resume: Phase) -> Verdict:
     return Verdict(restored, str(restore["level"]), ids_equal, before_equal, rel, ok)
 
 
+def _restart_line(storage: Storage) -> str:
+    """What the restart cost, from the root's restart log (as `trainsnap history` shows it)."""
+    runs = restarts.history(lease.events(storage), lease.progress(storage)).runs
+    run = runs[-1] if runs else None
+    if run is None or run.lost_steps is None:
+        return "restart: the restart log has no restore of the resumed run"
+    return (
+        f"restart: lost {run.lost_steps} step(s) ({run.lost_seconds or 0.0:.1f} s of training); "
+        f"RTO {run.since_start_seconds or 0.0:.1f} s from process start to restored (restore "
+        f"itself {run.restore_seconds or 0.0:.2f} s), first step "
+        f"{run.to_first_step_seconds or 0.0:.1f} s later (`trainsnap history` shows it all)"
+    )
+
+
 def _report(
     console: Console, ref: Phase, crash: Phase, resume: Phase, verdict: Verdict, plot: str | None
 ) -> None:
@@ -246,6 +261,7 @@ def _report(
         f"collector). Resumed from step {verdict.restored_step} on dp=2, tp=1 at level "
         f"{verdict.level!r}."
     )
+    console.print(_restart_line(storage))
     console.print(
         f"wall time: reference {ref.seconds:.0f} s, crashed {crash.seconds:.0f} s, "
         f"resumed {resume.seconds:.0f} s"
