@@ -331,7 +331,7 @@ def test_collection_after_close_under_a_lagging_listing(tmp_path):
             state["step"] = 2
             state["small"] = expected(2)["small"]  # w unchanged: its object is reused
             mgr.save(2, state)
-        collection.delete_snapshot(ts.open_storage(root), ts.list_snapshots(root)[0].id)  # step 1
+        commit.delete_snapshot(ts.open_storage(root), ts.list_snapshots(root)[0].id)  # step 1
         # Now the only snapshot referencing w's (old, visible) object is step 2, which the
         # lagging listing does not show yet.
         refused = False

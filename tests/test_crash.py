@@ -101,9 +101,10 @@ _COLLECT = textwrap.dedent(
     """
     import sys, trainsnap as ts
     from trainsnap.manager import collection
+    from trainsnap.protocol import commit
     storage = ts.open_storage(sys.argv[1])
     old = ts.list_snapshots(storage)[0]
-    collection.delete_snapshot(storage, old.id)
+    commit.delete_snapshot(storage, old.id)
     collection.collect(storage, grace=None)
     """
 )

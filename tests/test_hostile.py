@@ -512,7 +512,7 @@ def test_a_root_that_is_itself_a_symlink_works_and_stays_inside(tmp_path: Path) 
     before = _canaries(outside)
     first = ts.save(_state(), link, step=1).id
     ts.save(_state(), link, step=2)
-    collection.delete_snapshot(open_storage(link), first)
+    commit.delete_snapshot(open_storage(link), first)
     collection.collect(open_storage(link), grace=None)
     assert [s.step for s in ts.list_snapshots(link)] == [2]
     assert ts.load(_destination(), link).step == 2

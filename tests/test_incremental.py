@@ -65,7 +65,7 @@ def test_lora_snapshots_write_only_what_changed_and_each_stands_alone(tmp_path):
     assert [s.step for s in retained] == [8, 10, 12]
     for i, snap in enumerate(retained):
         for older in retained[:i]:
-            collection.delete_snapshot(storage, older.id)
+            commit.delete_snapshot(storage, older.id)
         collection.collect(storage, grace=None)
         m2 = _model()
         dst = {"model": m2.state_dict()}

@@ -95,7 +95,7 @@ def test_collection_during_an_async_save_never_deletes_what_it_needs(tmp_path):
     # Make every object look old, then uncommit the snapshot: its objects are garbage now.
     for p in (tmp_path / "objects").rglob("*"):
         os.utime(p, (time.time() - 7200, time.time() - 7200))
-    collection.delete_snapshot(storage, first.id)
+    commit.delete_snapshot(storage, first.id)
     faults.install("before_manifest=delay:1.5")
     saver = ts.AsyncSaver()
     handle = ts.async_save({"w": shared, "v": torch.ones(10)}, storage, step=2, saver=saver)

@@ -11,7 +11,7 @@ from trainsnap import trace
 from trainsnap._version import __version__
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import async_save, list_snapshots, load, save
+from trainsnap.api.snapshots import async_save, delete, list_snapshots, load, save
 from trainsnap.api.verification import VerifyReport, verify
 from trainsnap.errors import (
     CommitFailedError,
@@ -72,6 +72,7 @@ __all__ = [
     "__version__",
     "async_save",
     "daly_interval",
+    "delete",
     "list_snapshots",
     "load",
     "open_storage",

@@ -1,4 +1,4 @@
-"""The public entry points: save, async_save, load and list_snapshots.
+"""The public entry points: save, async_save, load, list_snapshots and delete.
 
 The machinery behind them is in :mod:`trainsnap.protocol` (the cross-rank save and load
 protocols) and :mod:`trainsnap.api.async_saver` (saves in the background).
@@ -13,10 +13,10 @@ from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
-from trainsnap.errors import InvalidArgumentError, TrainsnapError
+from trainsnap.errors import InvalidArgumentError, NotFoundError, TrainsnapError
 from trainsnap.format.manifest import LEVELS
 from trainsnap.protocol import commit
-from trainsnap.protocol.control_plane import comm_for
+from trainsnap.protocol.control_plane import LocalComm, comm_for
 from trainsnap.protocol.load_protocol import run_load
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
@@ -34,6 +34,7 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     coordinator: int = 0,
     timeout: float | None = None,
+    no_dist: bool = False,
 ) -> SnapshotInfo:
     """Save ``state`` (a mapping of tensors, plain data and stateful objects, or a
     :class:`~trainsnap.TrainState`) as a new snapshot of ``root`` at ``step``, and commit it.
@@ -44,10 +45,14 @@ def save(
     commits, and ``timeout`` (seconds) bounds how long ranks wait for each other. ``options``
     (:class:`SaveOptions`) says what else the snapshot records (versions, counters, metadata)
     and how it stores tensor data (compression, chunk size, pickle for non-plain values).
+
+    ``no_dist=True`` saves this process's state alone, as a world of one, even inside an
+    initialised process group (as DCP's ``no_dist``; e.g. a framework that saves on rank 0 only).
     """
     storage = open_storage(root, **dict(storage_options or {}))
     tree, request = (options or SaveOptions()).request(state, step)
-    result = run_save(tree, storage, request, comm_for(coordinator, timeout))
+    comm = LocalComm() if no_dist else comm_for(coordinator, timeout)
+    result = run_save(tree, storage, request, comm)
     return result.info(storage.url)
 
 
@@ -61,6 +66,7 @@ def async_save(
     coordinator: int = 0,
     timeout: float | None = None,
     saver: AsyncSaver | None = None,
+    no_dist: bool = False,
 ) -> SaveHandle:
     """Like :func:`save`, but return once the state is staged (copied into reused host
     buffers): training may change the state right away. Writing and the commit continue in the
@@ -69,10 +75,12 @@ def async_save(
 
     At most one save per ``saver`` (default: the process's) is in flight: a new one waits for
     the previous one, and a background failure is raised by the next save or wait.
+    ``no_dist`` as for :func:`save`.
     """
     storage = open_storage(root, **dict(storage_options or {}))
     tree, request = (options or SaveOptions()).request(state, step)
-    handle = (saver or default_saver()).save(tree, storage, request, comm_for(coordinator, timeout))
+    comm = LocalComm() if no_dist else comm_for(coordinator, timeout)
+    handle = (saver or default_saver()).save(tree, storage, request, comm)
     if handle is None:  # only a saver built with skip_if_busy skips
         raise TrainsnapError(
             f"the save of step {step} was skipped: its saver is busy and was built with "
@@ -125,6 +133,23 @@ def load(
         storage.url,
     )
     return SnapshotInfo.from_manifest(manifest, storage.url, level=reached)
+
+
+def delete(root: Root, snapshot_id: str, **storage_options: Any) -> None:
+    """Delete a snapshot of ``root``: its marker first (from then on it is not committed and is
+    never read), then its manifest. Its objects stay until a collection (``trainsnap gc``, or a
+    manager's) finds them unreferenced, so deleting never breaks another snapshot that shares
+    them. ``NotFoundError`` if ``root`` holds no such snapshot, committed or not."""
+    storage = open_storage(root, **storage_options)
+    if snapshot_id not in commit.snapshot_ids(storage):
+        raise NotFoundError(
+            f"snapshot {snapshot_id} does not exist in {storage.url}; `trainsnap ls` lists the "
+            "committed ones",
+            snapshot_id=snapshot_id,
+            path=storage.url,
+        )
+    commit.delete_snapshot(storage, snapshot_id)
+    log.info("deleted snapshot %s of %s", snapshot_id, storage.url)
 
 
 def list_snapshots(root: Root, **storage_options: Any) -> list[SnapshotInfo]:

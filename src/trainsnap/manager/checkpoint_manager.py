@@ -45,9 +45,10 @@ from trainsnap.errors import (
     CorruptError,
     IncompleteError,
     InvalidArgumentError,
+    NotFoundError,
     TrainsnapError,
 )
-from trainsnap.format.manifest import Manifest, level_rank
+from trainsnap.format.manifest import Manifest, id_step, level_rank
 from trainsnap.manager import collection, lease, restarts
 from trainsnap.manager.options import LocalTier, ManagerOptions
 from trainsnap.manager.policies import (
@@ -209,14 +210,29 @@ class CheckpointManager:
         return self.durable.lease.generation if self.durable.lease else None
 
     def restore(
-        self, state: Any, level: str = "strict", *, allow_downgrade: bool = False
+        self,
+        state: Any,
+        level: str = "strict",
+        *,
+        allow_downgrade: bool = False,
+        step: int | None = None,
     ) -> SnapshotInfo | None:
         """Restore the newest committed snapshot that loads, whichever tier holds it; fall back
         to older ones (and from the local tier to the durable one) when it is damaged, saying
         why. Snapshots that cannot give ``level`` (a weights-only save) are passed over unless
-        ``allow_downgrade``. None when no tier holds any."""
+        ``allow_downgrade``. None when no tier holds any. With ``step``, only the snapshots of
+        that step are candidates (``NotFoundError`` naming the steps held when none is)."""
         started = time.perf_counter()
         candidates = self._candidates(state, level, allow_downgrade)
+        if step is not None:
+            steps = sorted({id_step(sid) for sid, _ in candidates})
+            candidates = [(sid, tiers) for sid, tiers in candidates if id_step(sid) == step]
+            if not candidates:
+                raise NotFoundError(
+                    f"no committed snapshot of step {step} that can give level {level!r} on "
+                    f"{[t.storage.url for t in self._tiers()]}; steps held: {steps or 'none'}",
+                    path=self.storage.url,
+                )
         for sid, tier_names in candidates:
             for name in tier_names:
                 tier = self.local if name == "local" and self.local else self.durable
@@ -570,7 +586,7 @@ class _Tier:
         cands = [_candidate(c) for c in commit.list_committed(self.storage)]
         doomed = to_delete(cands, self.retention, protected=set())
         for c in doomed:
-            collection.delete_snapshot(self.storage, c.id)
+            commit.delete_snapshot(self.storage, c.id)
         if doomed:
             log.info(
                 "retention deleted %d snapshot(s) from %s: steps %s",

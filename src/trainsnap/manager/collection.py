@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from trainsnap import faults
 from trainsnap.errors import TrainsnapError
-from trainsnap.format.manifest import manifest_keys, marker_key
 from trainsnap.manager import lease
 from trainsnap.protocol import commit
 from trainsnap.storage.base import Storage
@@ -38,17 +37,6 @@ class GcReport:
     temporaries_deleted: int = 0
     young_skipped: int = 0
     """Unreferenced objects left alone because they are inside the grace period."""
-
-
-def delete_snapshot(storage: Storage, snapshot_id: str) -> None:
-    """Uncommit (marker first), then remove the rest of the snapshot's files. Objects stay
-    until a collection finds them unreferenced."""
-    storage.delete(marker_key(snapshot_id))
-    faults.point("delete_uncommitted")  # the marker is gone: the snapshot is already uncommitted
-    for key in list(storage.list(f"snapshots/{snapshot_id}/")):
-        storage.delete(key)
-    for key in manifest_keys(snapshot_id):  # a listing may lag behind the writes
-        storage.delete(key)
 
 
 def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = False) -> GcReport:
@@ -83,7 +71,7 @@ def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = F
         if keys and all(old(k) for k in keys):  # a commit may be in progress: the grace covers it
             report.uncommitted_deleted.append(sid)
             if not dry_run:
-                delete_snapshot(storage, sid)
+                commit.delete_snapshot(storage, sid)
     for key in storage.list("objects/"):
         name = key.rsplit("/", 1)[-1]
         if name in referenced:

@@ -24,7 +24,6 @@ from trainsnap.engine.writer import write_object
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.format.layout import layout_objects
 from trainsnap.format.manifest import LEVELS, ManifestBuilder, level_rank
-from trainsnap.manager import collection
 from trainsnap.protocol import commit
 from trainsnap.storage.base import Storage
 
@@ -111,7 +110,7 @@ def quantize_history(
     meta["approximate"] = {"keys": rounded, "precision": "bfloat16"}
     new = b.build()
     commit.write_commit(storage, new, writer={"quantized_from": snapshot_id}, fence=fence)
-    collection.delete_snapshot(storage, snapshot_id)
+    commit.delete_snapshot(storage, snapshot_id)
     log.info(
         "quantized %s (step %d) into %s: %d bytes -> %d bytes, %d tensor(s) at bfloat16",
         snapshot_id,

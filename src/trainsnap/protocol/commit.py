@@ -216,3 +216,14 @@ def resolve(storage: Storage, snapshot: str) -> str:
             path=storage.url,
         )
     return found[-1].snapshot_id
+
+
+def delete_snapshot(storage: Storage, snapshot_id: str) -> None:
+    """Uncommit (marker first), then remove the rest of the snapshot's files. Objects stay
+    until a collection finds them unreferenced."""
+    storage.delete(marker_key(snapshot_id))
+    faults.point("delete_uncommitted")  # the marker is gone: the snapshot is already uncommitted
+    for key in list(storage.list(f"snapshots/{snapshot_id}/")):
+        storage.delete(key)
+    for key in manifest_keys(snapshot_id):  # a listing may lag behind the writes
+        storage.delete(key)
