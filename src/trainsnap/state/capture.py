@@ -13,6 +13,7 @@ back through ``load_state_dict``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -174,18 +175,12 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _dtensor_item(key: str, tensor: Any) -> TensorItem:
-    """A DTensor's local shard as a box of its global tensor (``Shard(d)`` and ``Replicate()``
-    in any mix, uneven shards included)."""
-    from torch.distributed.tensor import Replicate, Shard
+    """A DTensor's local shard as a box of its global tensor: ``Shard(d)``, ``Replicate()`` and
+    the ``_StridedShard`` of FSDP2 over tensor parallelism, in any mix, uneven shards included.
+    The box is torch's own (``compute_local_shape_and_global_offset``, as DCP uses)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for p in tensor.placements:
-        if type(p) not in (Shard, Replicate):
-            raise InvalidArgumentError(
-                f"{key!r}: DTensor placement {p} is not supported (only Shard(d) and Replicate()); "
-                "redistribute it, e.g. t.redistribute(placements=[Replicate()]) for Partial",
-                key=key,
-            )
+    _check_placements(key, tensor.placements, tuple(tensor.device_mesh.shape))
     shape = tuple(tensor.shape)
     local = tensor.to_local()
     sizes, offsets = compute_local_shape_and_global_offset(
@@ -198,6 +193,42 @@ def _dtensor_item(key: str, tensor: Any) -> TensorItem:
             key=key,
         )
     return TensorItem(key, local, shape, Box(tuple(offsets), tuple(sizes)), declared=True)
+
+
+def _check_placements(key: str, placements: Any, mesh_shape: tuple[int, ...]) -> None:
+    """Refuse what does not make each rank's piece one box, naming the key and the fix."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Partial):
+            raise InvalidArgumentError(
+                f"{key!r}: DTensor placement {placement} holds partial sums, not values; reduce "
+                "it first, e.g. t.redistribute(placements=[Replicate()]) (or Shard(d))",
+                key=key,
+            )
+        if isinstance(placement, _StridedShard):
+            # FSDP2 over TP: a box exactly when the later mesh dimensions that shard the same
+            # tensor dimension split it split_factor ways (the strides then tile the piece).
+            later = [
+                mesh_shape[j]
+                for j in range(i + 1, len(placements))
+                if isinstance(placements[j], Shard | _StridedShard)
+                and placements[j].dim == placement.dim
+            ]
+            if math.prod(later) != placement.split_factor:
+                raise InvalidArgumentError(
+                    f"{key!r}: DTensor placements {tuple(placements)} on mesh {mesh_shape} make "
+                    "each rank's piece a set of strided rows, not a box; redistribute it to "
+                    "Shard/Replicate placements before saving",
+                    key=key,
+                )
+        elif not isinstance(placement, Shard | Replicate):
+            raise InvalidArgumentError(
+                f"{key!r}: DTensor placement {placement} is not supported (Shard, Replicate and "
+                "FSDP2's _StridedShard are); redistribute it to Shard/Replicate placements",
+                key=key,
+            )
 
 
 def mesh_of(tensor: Any) -> dict[str, int]:

@@ -1,0 +1,155 @@
+"""DTensor placements as real training stacks produce them: FSDP2 over tensor parallelism
+(``_StridedShard``), saved on one layout and loaded on others, bitwise; what is not a box is
+refused, naming the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainsnap as ts
+from trainsnap.testing import assert_all_ok, run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _parallelize(model: nn.Module, dp: int, tp: int) -> nn.Module:
+    """torchtitan's layout: TP (Colwise then Rowwise) inside, FSDP2 over the data-parallel dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if dp * tp == 1:
+        return model
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
+
+
+def _everything(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Parameters and Adam moments as full tensors, by name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"param.{n}": _full(p) for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for what in ("exp_avg", "exp_avg_sq"):
+            out[f"{what}.{names[id(p)]}"] = _full(state[what])
+    return out
+
+
+def _train_and_save(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    model = _parallelize(_model(), 2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank // 2))
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    placements = {str(p.placements) for p in model.parameters()}
+    assert any("_StridedShard" in p for p in placements), placements
+    ts.save(ts.TrainState(model=model, optimizer=opt), root, step=3)
+    return _everything(model, opt)
+
+
+def _load_on(rank: int, world_size: int, root: str, dp: int, tp: int) -> dict[str, torch.Tensor]:
+    model = _parallelize(_model(), dp, tp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ts.load(ts.TrainState(model=model, optimizer=opt), root, level="training")
+    return _everything(model, opt)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    root = str(tmp_path_factory.mktemp("fsdp_tp"))
+    results = assert_all_ok(run_ranks(_train_and_save, world_size=4, args=(root,)))
+    return root, results[0]
+
+
+def _assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(loaded) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize(("world", "dp", "tp"), [(4, 2, 2), (4, 4, 1), (2, 1, 2)])
+def test_fsdp2_over_tp_loads_on_other_layouts_bitwise(
+    saved: tuple[str, dict[str, torch.Tensor]], world: int, dp: int, tp: int
+) -> None:
+    root, expected = saved
+    for loaded in assert_all_ok(run_ranks(_load_on, world_size=world, args=(root, dp, tp))):
+        _assert_same(loaded, expected)
+
+
+def test_fsdp2_over_tp_loads_in_one_process(saved: tuple[str, dict[str, torch.Tensor]]) -> None:
+    root, expected = saved
+    _assert_same(_load_on(0, 1, root, 1, 1), expected)
+
+
+def _refusals(rank: int, world_size: int, root: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    local = torch.ones(2, 3)
+    cases = {
+        "partial": [Partial(), Shard(0)],
+        "strided_rows": [_StridedShard(0, split_factor=2), Shard(1)],  # strided rows per rank
+    }
+    messages = []
+    for key, placements in cases.items():
+        tensor = DTensor.from_local(local, mesh, placements, run_check=False)
+        with pytest.raises(ts.InvalidArgumentError) as error:
+            ts.save({key: tensor}, root, step=1)
+        messages.append(str(error.value))
+    return messages
+
+
+def test_placements_that_are_not_a_box_are_refused_with_the_fix(tmp_path: Path) -> None:
+    partial, strided = assert_all_ok(run_ranks(_refusals, world_size=4, args=(str(tmp_path),)))[0]
+    assert "'partial'" in partial and "redistribute" in partial
+    assert "'strided_rows'" in strided and "not a box" in strided
+    assert ts.list_snapshots(tmp_path) == []
+
+
+def _hsdp(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)  # a 2-D mesh: replicate over the first, shard over the second
+    return model
+
+
+def _train_hsdp_and_save(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    model = _hsdp(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    model(x).sum().backward()
+    opt.step()
+    assert {str(p.placements) for p in model.parameters()} == {"(Replicate(), Shard(dim=0))"}
+    ts.save(ts.TrainState(model=model, optimizer=opt), root, step=1)
+    return _everything(model, opt)
+
+
+def test_hsdp_saved_on_4_ranks_loads_on_2(tmp_path: Path) -> None:
+    saved = assert_all_ok(run_ranks(_train_hsdp_and_save, world_size=4, args=(str(tmp_path),)))
+    for loaded in assert_all_ok(run_ranks(_load_on, world_size=2, args=(str(tmp_path), 2, 1))):
+        _assert_same(loaded, saved[0])
