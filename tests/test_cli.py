@@ -194,7 +194,7 @@ def test_demo_crashes_resumes_on_another_topology_and_passes(tmp_path: Path) -> 
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: the run continued the same trajectory" in out.stdout
-    lost = re.search(r"restart: lost (\d+) step\(s\).*RTO ([\d.]+) s", out.stdout)
+    lost = re.search(r"restart: lost (\d+) step\(s\).*RTO ([\d.]+) s", out.stdout, re.S)
     assert lost and int(lost.group(1)) > 0 and float(lost.group(2)) > 0, out.stdout[-3000:]
     assert "SIGKILLed while writing the save of step 16" in out.stdout
     assert "at level 'strict'" in out.stdout and "all blocks ok" in out.stdout

@@ -261,7 +261,7 @@ def _report(
         f"collector). Resumed from step {verdict.restored_step} on dp=2, tp=1 at level "
         f"{verdict.level!r}."
     )
-    console.print(_restart_line(storage))
+    console.print(_restart_line(storage), soft_wrap=True)
     console.print(
         f"wall time: reference {ref.seconds:.0f} s, crashed {crash.seconds:.0f} s, "
         f"resumed {resume.seconds:.0f} s"

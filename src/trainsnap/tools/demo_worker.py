@@ -191,7 +191,7 @@ class Job:
             args.root,
             interval=ts.Every(steps=args.save_every),
             retention=ts.KeepLast(3),
-            options=ts.ManagerOptions(timeout=30, gc_grace=600, progress_seconds=1.0),
+            options=ts.ManagerOptions(timeout=30, gc_grace=600, progress_seconds=0.0),
         )
         self.log = Path(args.log)
 
