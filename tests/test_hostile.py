@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import trainsnap as ts
-from trainsnap.format import encoding
+from trainsnap.format import encoding, validation
 from trainsnap.format.manifest import Manifest
 from trainsnap.manager import collection
 from trainsnap.protocol import commit
@@ -160,7 +160,7 @@ def test_the_validation_bounds_reject_every_wrapping_column() -> None:
             snapshot_id=sid, created="", step=3, level="strict", algorithm="xxh3-128", block_size=64
         )
         setattr(manifest, column, np.array([BIG], np.int64))
-        problems = encoding.validate(manifest)
+        problems = validation.validate(manifest)
         assert problems and "outside" in problems[0], (column, problems)
 
 

@@ -25,6 +25,7 @@ from trainsnap.format.manifest import (
     id_step,
     manifest_key,
 )
+from trainsnap.format.validation import LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +124,10 @@ def _check_summary(shard: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
     agree with the id (a verifier also checks them against the manifest)."""
     step, nbytes, tokens = shard.get("step"), shard.get("nbytes"), shard.get("tokens_seen")
     for name, v in (("step", step), ("nbytes", nbytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _LIMIT:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < LIMIT:
             raise ValueError(f"summary.{name}: expected an integer in [0, 2^62), got {v!r}")
     if tokens is not None and (
-        isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < _LIMIT
+        isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < LIMIT
     ):
         raise ValueError("summary.tokens_seen: expected an integer in [0, 2^62) or null")
     _check_created(shard.get("created"))
@@ -147,9 +148,6 @@ def _check_summary(shard: dict[str, Any], snapshot_id: str) -> dict[str, Any]:
     if step != id_step(snapshot_id):
         raise ValueError(f"summary.step {step} disagrees with the snapshot id {snapshot_id}")
     return shard
-
-
-_LIMIT: Final = 1 << 62
 
 
 def _check_created(created: object) -> None:
