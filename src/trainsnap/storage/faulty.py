@@ -72,11 +72,13 @@ class FaultPlan:
 class FaultyStorage:
     """Wraps a backend and injects the faults of a :class:`FaultPlan`."""
 
-    def __init__(self, inner: Storage, plan: FaultPlan) -> None:
+    def __init__(self, inner: Storage, plan: FaultPlan, *, stream: int = 0) -> None:
+        """``stream`` separates the fault sequences of processes sharing one plan; with the
+        default, a plan's seed alone decides which operations fail (a test's trials repeat)."""
         self.inner, self.plan = inner, plan
         self.url = inner.url
         self.readinto_is_zero_copy = inner.readinto_is_zero_copy
-        self._rng = random.Random(int(plan.seed) ^ os.getpid())
+        self._rng = random.Random(int(plan.seed) ^ stream)
         self._lock = threading.Lock()
         self._written: dict[str, float] = {}
         self._bytes = 0
@@ -192,4 +194,4 @@ def from_env(inner: Storage) -> Storage:
     if not spec:
         return inner
     plan = FaultPlan.parse(spec)
-    return FaultyStorage(inner, plan) if plan.active else inner
+    return FaultyStorage(inner, plan, stream=os.getpid()) if plan.active else inner
