@@ -74,3 +74,38 @@ def test_format_v3_golden_binary_manifest_loads_bitwise_and_verifies(tmp_path):
     raw = (root / "snapshots" / got["id"] / "manifest.bin").read_bytes()
     assert raw.startswith(encoding.MAGIC)
     assert got["manifest"].versions["user"] == {"model": "golden-3"}
+
+
+def test_format_v4_golden_reads_back_its_tree_exactly_and_verifies(tmp_path):
+    import collections
+    import pathlib
+
+    import numpy as np
+
+    root = tmp_path / "v4"
+    shutil.copytree(GOLDEN / "v4", root)
+    (info,) = ts.list_snapshots(root)
+    m = commit.open_snapshot(ts.open_storage(root), info.id)
+    assert m.format_version == 4 and m.tree is not None and info.step == 42
+    assert {"zstd", "bg4+zstd", "raw"} <= set(m.object_codecs)
+    tree = ts.read(root)
+    assert list(tree) == ["model", "optim", "flag", "pair", "extra"]
+    model = tree["model"]
+    assert type(model) is collections.OrderedDict and list(model) == ["w", "b"]
+    assert torch.equal(model["w"], torch.arange(600, dtype=torch.float32).reshape(20, 30))
+    assert torch.equal(model["b"], torch.arange(7, dtype=torch.bfloat16))
+    moments = tree["optim"]["state"][0]  # an int key, as saved
+    assert torch.equal(moments["m"], torch.linspace(0, 1, 300, dtype=torch.float32))
+    assert tree["optim"]["param_groups"] == [{"lr": 0.001, "betas": (0.9, 0.95), "params": [0]}]
+    assert tree["flag"].tolist() == [True, False, True]
+    assert type(tree["pair"]) is tuple and tree["pair"][1] == "second"
+    extra = tree["extra"]
+    assert extra["empty"] == {} and extra["nothing"] is None and extra["no_list"] == []
+    assert extra["path"] == pathlib.PurePosixPath("data/shard-0") and extra["tags"] == {"a", "b"}
+    assert extra["np"].dtype == np.int16 and extra["np"].tolist() == [0, 1, 2]
+    assert math.isnan(extra["nan"]) and extra["when"].year == 2026
+    state = {"optim": {"state": {}}, "extra": None}  # placeholders, filled from the tree
+    ts.load(state, root)
+    assert torch.equal(state["optim"]["state"][0]["m"], moments["m"])
+    assert state["extra"]["path"] == extra["path"]
+    assert ts.verify(root).ok

@@ -112,11 +112,14 @@ def test_plain_values_round_trip_with_their_types(tmp_path):
             assert got[k] == v and type(got[k]) is type(v), k
 
 
-def test_load_fills_only_what_the_state_asks_and_ignores_the_rest(tmp_path):
+def test_load_restores_each_top_level_key_asked_whole_and_ignores_the_others(tmp_path):
     ts.save({"a": torch.ones(3), "b": torch.ones(2), "meta": {"x": 1, "y": 2}}, tmp_path, step=1)
-    dst = {"a": torch.zeros(3), "meta": {"y": 0}}
+    meta = {"y": 0}
+    dst = {"a": torch.zeros(3), "meta": meta}
     ts.load(dst, tmp_path)
-    assert dst["a"].tolist() == [1, 1, 1] and dst["meta"] == {"y": 2}
+    assert dst["a"].tolist() == [1, 1, 1] and "b" not in dst
+    assert dst["meta"] == {"x": 1, "y": 2} and dst["meta"] is meta  # filled in place, in order
+    assert list(meta) == ["x", "y"]
 
 
 def test_a_key_the_snapshot_lacks_is_an_error_and_nothing_is_filled(tmp_path):

@@ -11,7 +11,7 @@ from trainsnap import trace
 from trainsnap._version import __version__
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import async_save, delete, list_snapshots, load, save
+from trainsnap.api.snapshots import async_save, delete, list_snapshots, load, read, save
 from trainsnap.api.verification import VerifyReport, verify
 from trainsnap.errors import (
     CommitFailedError,
@@ -75,6 +75,7 @@ __all__ = [
     "delete",
     "list_snapshots",
     "load",
+    "read",
     "open_storage",
     "rng",
     "sampler",

@@ -8,6 +8,7 @@ from typing import Any
 
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.format.manifest import LEVELS
+from trainsnap.format.values import PickleKeys
 from trainsnap.protocol.rank_save import SaveRequest
 from trainsnap.state.train_state import TrainState
 
@@ -33,8 +34,9 @@ class SaveOptions:
     """User versions (model, tokenizer, code, data, container) a strict resume must match."""
     meta: Mapping[str, Any] = field(default_factory=dict)
     """Free-form plain data kept in the manifest."""
-    allow_pickle: bool = False
-    """Store values that are not plain data with pickle (loading them needs the same opt-in)."""
+    allow_pickle: PickleKeys = False
+    """Store values that are not plain data with pickle: True for all, or the dotted keys whose
+    values may be pickled (``("hyper_parameters",)``); loading them needs the same opt-in."""
     checksum: str = "xxh3-128"
     """The block checksum algorithm."""
     compression: str | Mapping[str, str | None] | None = None

@@ -1,4 +1,4 @@
-"""The public entry points: save, async_save, load, list_snapshots and delete.
+"""The public entry points: save, async_save, load, read, list_snapshots and delete.
 
 The machinery behind them is in :mod:`trainsnap.protocol` (the cross-rank save and load
 protocols) and :mod:`trainsnap.api.async_saver` (saves in the background).
@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
 from trainsnap.errors import InvalidArgumentError, NotFoundError, TrainsnapError
 from trainsnap.format.manifest import LEVELS
-from trainsnap.protocol import commit
+from trainsnap.format.values import PickleKeys
+from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.control_plane import LocalComm, comm_for
 from trainsnap.protocol.load_protocol import run_load
+from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, open_storage
@@ -96,7 +98,7 @@ def load(
     snapshot: str = "latest",
     level: str = "strict",
     allow_downgrade: bool = False,
-    allow_pickle: bool = False,
+    allow_pickle: PickleKeys = False,
     storage_options: Mapping[str, Any] | None = None,
     coordinator: int = 0,
     timeout: float | None = None,
@@ -133,6 +135,49 @@ def load(
         storage.url,
     )
     return SnapshotInfo.from_manifest(manifest, storage.url, level=reached)
+
+
+def read(
+    root: Root,
+    snapshot: str = "latest",
+    *,
+    keys: str | Sequence[str] | None = None,
+    rank: int | None = None,
+    allow_pickle: PickleKeys = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """The saved state tree of a committed snapshot, exactly as it was saved, with no template:
+    dicts, ``OrderedDict``s, lists and tuples with their key types and order, empty containers,
+    None, plain values, and tensors on CPU assembled whole from their shards (a saved stateful
+    object comes back as its ``state_dict()`` tree).
+
+    ``keys`` limits the read to saved keys and everything under them (dotted prefixes, e.g.
+    ``"model"`` or ``"optim.state"``): memory is what is asked. Per-rank entries (RNG, per-rank
+    data state) are those of ``rank`` (default 0). One process reads; no process group is used.
+    Snapshots older than format 4 (or imported) have no saved structure and read as a flat dict
+    of dotted keys.
+    """
+    storage = open_storage(root, **dict(storage_options or {}))
+    manifest = commit.open_snapshot(storage, commit.resolve(storage, snapshot))
+    who = 0 if rank is None else rank
+    if isinstance(who, bool) or not isinstance(who, int) or not 0 <= who < manifest.world_size:
+        raise InvalidArgumentError(
+            f"rank={rank!r}: snapshot {manifest.snapshot_id} was saved by "
+            f"{manifest.world_size} rank(s); pass a rank in [0, {manifest.world_size})",
+            snapshot_id=manifest.snapshot_id,
+        )
+    wanted = [keys] if isinstance(keys, str) else None if keys is None else list(keys)
+    targets, out = tree_load.read_plan(manifest, wanted, who)
+    reader = fill(storage, manifest, targets, who, allow_pickle=allow_pickle)
+    log.info(
+        "read snapshot %s step=%d keys=%s bytes_read=%d root=%s",
+        manifest.snapshot_id,
+        manifest.step,
+        "all" if wanted is None else ",".join(wanted),
+        reader.bytes_read,
+        storage.url,
+    )
+    return out["tree"]
 
 
 def delete(root: Root, snapshot_id: str, **storage_options: Any) -> None:

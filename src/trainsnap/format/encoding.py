@@ -90,7 +90,7 @@ def unpack(data: bytes) -> tuple[dict[str, Any], memoryview]:
 
 
 def encode(manifest: Manifest) -> bytes:
-    """The manifest in the current format (3): a JSON header and a binary body of tables."""
+    """The manifest in the current format (4): a JSON header and a binary body of tables."""
     t = _Tables()
     doc = {
         "format": FORMAT,
@@ -107,6 +107,7 @@ def encode(manifest: Manifest) -> bytes:
         "topology": manifest.topology,
         "parent": manifest.parent,
         "meta": manifest.meta,
+        "tree": manifest.tree,
         "checksum": {"algorithm": manifest.algorithm, "block_size": manifest.block_size},
         "objects": {
             "names": t.add(bytes.fromhex("".join(manifest.object_names))),
@@ -339,6 +340,7 @@ def _from_doc(doc: dict[str, Any], cols: _Columns) -> Manifest:
         topology=as_dict(doc["topology"], "topology"),
         parent=parent,
         meta=as_dict(doc.get("meta", {}), "meta"),
+        tree=doc.get("tree") if int(doc["format_version"]) >= 4 else None,
         **objects,
         chunk_object=cols.i64(ch["object"], "chunks.object"),
         chunk_offset=cols.i64(ch["offset"], "chunks.offset"),

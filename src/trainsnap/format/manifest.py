@@ -35,10 +35,15 @@ from trainsnap.format.regions import Box, Flat, Region, Shape
 
 FORMAT: Final = "trainsnap.manifest"
 MARKER_FORMAT: Final = "trainsnap.marker"
-FORMAT_VERSION: Final = 3
-READABLE_VERSIONS: Final = (1, 2, 3)
-MANIFEST_NAMES: Final = {1: "manifest.json", 2: "manifest.json", 3: "manifest.bin"}
-"""The manifest's file name in a snapshot, by format version (format 3 is binary)."""
+FORMAT_VERSION: Final = 4
+READABLE_VERSIONS: Final = (1, 2, 3, 4)
+MANIFEST_NAMES: Final = {
+    1: "manifest.json",
+    2: "manifest.json",
+    3: "manifest.bin",
+    4: "manifest.bin",
+}
+"""The manifest's file name in a snapshot, by format version (formats 3 and 4 are binary)."""
 LEVELS: Final = ("weights", "training", "strict")
 STATE_KINDS: Final = ("model", "optimizer", "scheduler", "scaler", "rng", "data", "extra")
 OBJECT_CODECS: Final = ("raw", "zstd", "bg2+zstd", "bg4+zstd", "bg8+zstd")
@@ -102,6 +107,9 @@ class Manifest:
     parent: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    tree: Any = None
+    """The saved state's structure (:mod:`trainsnap.format.tree`; format 4). None for older
+    formats and for snapshots made without one (imports): then only a template can say it."""
     # objects
     object_names: list[str] = field(default_factory=list)
     object_sizes: I64 = field(default_factory=lambda: np.zeros(0, np.int64))

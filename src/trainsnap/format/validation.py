@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trainsnap.errors import IncompatibleError, TrainsnapError
+from trainsnap.format import tree
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.manifest import (
     BOX,
@@ -55,6 +56,8 @@ def validate(manifest: Manifest) -> list[str]:
         return p + bounds
     p += _validate_objects(manifest)
     p += _validate_tables(manifest)
+    if manifest.tree is not None:
+        p += tree.problems(manifest.tree, set(manifest.tensor_keys) | set(manifest.value_keys))
     return p
 
 

@@ -1,20 +1,29 @@
 """Encoding of plain values and dtype names.
 
-Plain data (None, bool, int, float, str, bytes, lists, tuples, dicts with str or int keys, and
-``torch.Size``/``torch.dtype``) is stored as JSON with a few tags so that it round-trips exactly:
-a tuple comes back a tuple, ``nan`` comes back ``nan``, an int key stays an int. Anything else is
-refused unless the caller opts into pickle for that save, and a pickled value only loads with an
-explicit opt-in at load time: loading a snapshot never runs code from it by default.
+Plain data is stored as JSON with a few tags so that it round-trips exactly: None, bool, int,
+float (``nan`` and infinities included), str, bytes, list, tuple, dict and ``OrderedDict`` (any
+scalar keys), ``set``/``frozenset``, ``pathlib`` paths, ``datetime``/``date``/``time``/
+``timedelta``, numpy scalars and arrays (numeric, bool, bytes and str dtypes), and
+``torch.Size``/``torch.dtype``. Decoding builds only these types. Anything else (namedtuples,
+enums, dataclasses, ``argparse.Namespace``, arbitrary objects) is refused unless the caller opts
+into pickle for its key, and a pickled value only loads with the same opt-in at load time:
+loading a snapshot never runs code from it by default.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import enum
 import json
 import math
+import pathlib
 import pickle
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, Final
 
+import numpy as np
 import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
@@ -24,19 +33,82 @@ PICKLE: Final = "pickle"
 
 # Tags are single-key objects whose key starts with "$"; a user dict that could be mistaken for
 # one is itself written in the tagged "$dict" form, so decoding is never ambiguous.
-_TAGS: Final = ("$tuple", "$float", "$bytes", "$dict", "$size", "$dtype")
+_TAGS: Final = (
+    "$tuple", "$float", "$bytes", "$dict", "$odict", "$size", "$dtype", "$set", "$frozenset",
+    "$path", "$datetime", "$date", "$time", "$timedelta", "$np", "$npscalar",
+)  # fmt: skip
+_PATHS: Final = {
+    cls.__name__: cls
+    for cls in (
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.Path,
+    )
+}
+_NP_KINDS: Final = "biufcSUmM"
+"""numpy dtype kinds stored as plain data (no objects, no structured records)."""
+
+PickleKeys = bool | Sequence[str]
+"""Pickle opt-in: everything (True), nothing (False), or the values under these dotted keys."""
 
 
 class NotPlainError(TypeError):
     """Raised by :func:`encode_plain` for a value outside the plain-data set."""
 
 
+def pickle_allowed(allow: PickleKeys, key: str) -> bool:
+    """Whether the opt-in ``allow`` covers the value at ``key`` (a key covers what is under it)."""
+    if isinstance(allow, bool):
+        return allow
+    keys = [allow] if isinstance(allow, str) else allow
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def _why_not(value: Any) -> str:
+    cls = type(value)
+    if isinstance(value, tuple) and hasattr(cls, "_fields"):
+        return "a namedtuple"
+    if isinstance(value, enum.Enum):
+        return "an enum member"
+    if hasattr(cls, "__dataclass_fields__"):
+        return "a dataclass instance"
+    if cls.__module__ == "argparse" and cls.__name__ == "Namespace":
+        return "an argparse.Namespace"
+    return "not plain data"
+
+
+def _enc_items(pairs: Any, path: str) -> list[list[Any]]:
+    out = []
+    for k, x in pairs:
+        if not _is_key(k):
+            raise NotPlainError(f"{path}: dict key {k!r} is not a str, int, float, bool or None")
+        out.append([_enc(k, path), _enc(x, f"{path}.{k}")])
+    return out
+
+
+def _is_key(k: Any) -> bool:
+    return k is None or isinstance(k, str | int) or (isinstance(k, float) and math.isfinite(k))
+
+
+def _enc_numpy(value: Any, path: str) -> Any:
+    if value.dtype.kind not in _NP_KINDS:
+        raise NotPlainError(f"{path}: a numpy value of dtype {value.dtype} is not plain data")
+    body = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode("ascii")
+    if isinstance(value, np.ndarray):
+        return {"$np": [value.dtype.str, list(value.shape), body]}
+    return {"$npscalar": [value.dtype.str, body]}
+
+
 def _enc(value: Any, path: str) -> Any:
-    if value is None or isinstance(value, bool | str):
+    if value is None or type(value) in (bool, str):
         return value
-    if isinstance(value, int):
+    if type(value) is int:
         return int(value)
-    if isinstance(value, float):
+    if isinstance(value, np.ndarray | np.generic):
+        return _enc_numpy(value, path)
+    if type(value) is float:
         if math.isfinite(value):
             return float(value)
         return {"$float": repr(float(value))}
@@ -46,23 +118,33 @@ def _enc(value: Any, path: str) -> Any:
         return {"$dtype": dtype_name(value)}
     if isinstance(value, bytes | bytearray):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, list):
+    if type(value) is list:
         return [_enc(x, f"{path}[{i}]") for i, x in enumerate(value)]
-    if isinstance(value, tuple) and type(value) is tuple:
+    if type(value) is tuple:
         return {"$tuple": [_enc(x, f"{path}[{i}]") for i, x in enumerate(value)]}
-    if isinstance(value, dict) and type(value) is dict:
+    if type(value) is dict:
         plain_keys = all(isinstance(k, str) and not k.startswith("$") for k in value)
         if plain_keys:
             return {k: _enc(x, f"{path}.{k}") for k, x in value.items()}
-        items = []
-        for k, x in value.items():
-            if isinstance(k, bool) or not isinstance(k, str | int):
-                raise NotPlainError(f"{path}: dict key {k!r} is neither str nor int")
-            items.append([k, _enc(x, f"{path}.{k}")])
-        return {"$dict": items}
-    raise NotPlainError(
-        f"{path}: {type(value).__module__}.{type(value).__qualname__} is not plain data"
-    )
+        return {"$dict": _enc_items(value.items(), path)}
+    if type(value) is OrderedDict:
+        return {"$odict": _enc_items(value.items(), path)}
+    if type(value) in (set, frozenset):
+        items = [_enc(x, f"{path}{{}}") for x in value]
+        items.sort(key=lambda x: json.dumps(x, sort_keys=True))  # the same bytes on every rank
+        return {f"${type(value).__name__}": items}
+    if type(value).__name__ in _PATHS and type(value) is _PATHS[type(value).__name__]:
+        return {"$path": [type(value).__name__, str(value)]}
+    if type(value) is dt.datetime:
+        return {"$datetime": value.isoformat()}
+    if type(value) is dt.date:
+        return {"$date": value.isoformat()}
+    if type(value) is dt.time:
+        return {"$time": value.isoformat()}
+    if type(value) is dt.timedelta:
+        return {"$timedelta": [value.days, value.seconds, value.microseconds]}
+    cls = type(value)
+    raise NotPlainError(f"{path}: {cls.__module__}.{cls.__qualname__} is {_why_not(value)}")
 
 
 def _dec(value: Any) -> Any:
@@ -84,11 +166,61 @@ def _dec(value: Any) -> Any:
             return torch.Size(int(x) for x in body)
         if tag == "$dtype":
             return dtype_from_name(body)
-        if tag == "$dict":
-            return _dec_pairs(body)
+        if tag in ("$dict", "$odict"):
+            pairs = _dec_pairs(body)
+            return OrderedDict(pairs) if tag == "$odict" else pairs
+        if tag in ("$set", "$frozenset"):
+            if not isinstance(body, list):
+                raise ValueError(f"{tag} holds a {type(body).__name__}, not a list")
+            items = [_dec(x) for x in body]
+            return set(items) if tag == "$set" else frozenset(items)
+        decoded = _dec_scalar(tag, body)
+        if decoded is not _NOT_SCALAR:
+            return decoded
     if any(isinstance(k, str) and k.startswith("$") for k in value):
         raise ValueError(f"unknown tag in plain value: {sorted(value)}")
     return {k: _dec(x) for k, x in value.items()}
+
+
+_NOT_SCALAR: Final = object()
+
+
+def _dec_scalar(tag: str, body: Any) -> Any:
+    """The paths, times and numpy values; ``_NOT_SCALAR`` for other tags."""
+    if tag == "$path":
+        cls_name, text = body
+        cls = _PATHS[cls_name]
+        try:
+            return cls(text)
+        except NotImplementedError:  # a concrete path of another OS: its pure flavour
+            pure = pathlib.PureWindowsPath if "Windows" in cls_name else pathlib.PurePosixPath
+            return pure(text)
+    if tag == "$datetime":
+        return dt.datetime.fromisoformat(body)
+    if tag == "$date":
+        return dt.date.fromisoformat(body)
+    if tag == "$time":
+        return dt.time.fromisoformat(body)
+    if tag == "$timedelta":
+        days, seconds, micro = body
+        return dt.timedelta(days=days, seconds=seconds, microseconds=micro)
+    if tag in ("$np", "$npscalar"):
+        return _dec_numpy(tag, body)
+    return _NOT_SCALAR
+
+
+def _dec_numpy(tag: str, body: Any) -> Any:
+    dtype = np.dtype(body[0])
+    if dtype.kind not in _NP_KINDS:
+        raise ValueError(f"numpy dtype {body[0]!r} is not plain data")
+    shape = tuple(body[1]) if tag == "$np" else ()
+    raw = base64.b64decode(body[-1])
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise ValueError(f"numpy shape {list(shape)} is not a list of sizes")
+    if len(raw) != dtype.itemsize * math.prod(shape):
+        raise ValueError(f"numpy value of shape {list(shape)} and {len(raw)} bytes disagree")
+    array = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    return array if tag == "$np" else array[()]
 
 
 def _dec_pairs(body: Any) -> dict[Any, Any]:
@@ -119,27 +251,30 @@ def encode_plain(value: Any, path: str = "value") -> bytes:
     return json.dumps(_enc(value, path), separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode(value: Any, key: str, *, allow_pickle: bool) -> tuple[str, bytes]:
-    """(codec, bytes) for a value: JSON when plain, pickle only when allowed."""
+def encode(value: Any, key: str, *, allow_pickle: PickleKeys) -> tuple[str, bytes]:
+    """(codec, bytes) for a value: JSON when plain, pickle only when allowed for ``key``."""
     try:
         return JSON, encode_plain(value, key)
     except NotPlainError as e:
-        if not allow_pickle:
+        if not pickle_allowed(allow_pickle, key):
+            top = key.split(".", 1)[0]
             raise InvalidArgumentError(
                 f"cannot save {key!r}: {e}. trainsnap stores tensors and plain data (None, bool, "
-                "int, float, str, bytes, list, tuple, dict) so that loading never runs code. "
-                "Convert it to plain data or a tensor, wrap it in an object with state_dict()/"
-                "load_state_dict(), or pass allow_pickle=True to save it with pickle.",
+                "int, float, str, bytes, containers, sets, paths, datetimes, numpy values) so "
+                "that loading never runs code. Convert it to plain data (a namedtuple or "
+                "Namespace to a dict, an enum to its value), wrap it in an object with "
+                "state_dict()/load_state_dict(), or opt into pickle for this key: "
+                f"allow_pickle=({top!r},) when saving and when loading.",
                 key=key,
             ) from e
         return PICKLE, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode(codec: str, data: bytes, key: str, *, allow_pickle: bool, snapshot_id: str) -> Any:
+def decode(codec: str, data: bytes, key: str, *, allow_pickle: PickleKeys, snapshot_id: str) -> Any:
     if codec == JSON:
         try:
             return _dec(json.loads(data))
-        except (ValueError, TypeError, KeyError, RecursionError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise IncompatibleError(
                 f"value {key!r} of snapshot {snapshot_id} is not valid trainsnap JSON: {why}",
@@ -147,11 +282,11 @@ def decode(codec: str, data: bytes, key: str, *, allow_pickle: bool, snapshot_id
                 key=key,
             ) from e
     if codec == PICKLE:
-        if not allow_pickle:
+        if not pickle_allowed(allow_pickle, key):
             raise IncompatibleError(
                 f"value {key!r} of snapshot {snapshot_id} was saved with pickle; loading it would "
-                "run code from the snapshot. Pass allow_pickle=True to load only if you trust "
-                "whoever wrote this snapshot.",
+                f"run code from the snapshot. Pass allow_pickle=({key.split('.', 1)[0]!r},) (or "
+                "True) to load it only if you trust whoever wrote this snapshot.",
                 snapshot_id=snapshot_id,
                 key=key,
             )

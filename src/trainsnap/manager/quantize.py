@@ -66,6 +66,7 @@ def quantize_history(
         topology=m.topology,
         parent=m.snapshot_id,
         meta=meta,
+        tree=m.tree,
     )
     reader, rounded = Reader(storage, m), []
     # Every payload (shard or value) is laid out anew: small ones were packed with others, so

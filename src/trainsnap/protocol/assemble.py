@@ -59,6 +59,7 @@ def assemble(
         versions=library_versions(opts.user_versions),
         topology=dict(topology),
         meta=dict(opts.meta),
+        tree=plan.tree,
     )
     decoded: dict[bytes, Any] = plan.decoded
     shards: dict[tuple[str, int], list[tuple[Region, list[tuple[int, int, int]]]]]

@@ -19,7 +19,8 @@ from typing import Any
 from trainsnap import errors, trace
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest
-from trainsnap.protocol import commit
+from trainsnap.format.values import PickleKeys
+from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.control_plane import Comm, Session
 from trainsnap.protocol.outcome import describe_error
 from trainsnap.protocol.rank_load import fill, read_value
@@ -39,7 +40,7 @@ def run_load(
     *,
     level: str,
     allow_downgrade: bool,
-    allow_pickle: bool,
+    allow_pickle: PickleKeys,
 ) -> tuple[Manifest, str, int]:
     """Load on every rank; returns (manifest, level reached, bytes read on this rank)."""
     session = comm.session("load")
@@ -89,7 +90,7 @@ def _load(
     session: Session,
     level: str,
     allow_downgrade: bool,
-    allow_pickle: bool,
+    allow_pickle: PickleKeys,
 ) -> tuple[Manifest, str, int]:
     with trace.span("resolve"):
         sid = _resolve(storage, snapshot, comm, session)
@@ -111,13 +112,15 @@ def _load(
             tree, reached = plan.tree, plan.level
         world = m.world_size
         with trace.span("read") as ev:
+            same = world == comm.world_size
+            wanted = targets(tree) if m.tree is None else tree_load.plan(tree, m, comm.rank, same)
             reader = fill(
                 storage,
                 m,
-                targets(tree),
+                wanted,
                 comm.rank,
                 allow_pickle=allow_pickle,
-                same_world=world == comm.world_size,
+                same_world=same,
             )
             nread = ev["bytes"] = reader.bytes_read
         if isinstance(state, TrainState):

@@ -18,7 +18,9 @@ import pickle
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from trainsnap.format import tree
 from trainsnap.format.regions import Flat, Region, Shape, tiling_problems
 
 GLOBAL = -1
@@ -44,14 +46,18 @@ class RankMeta:
     values: list[Value] = field(default_factory=list)
     error: str | None = None
     """Set when this rank could not even describe its state; the save is refused everywhere."""
+    tree: Any = None
+    """The structure of this rank's state (:mod:`trainsnap.format.tree`)."""
 
     @staticmethod
-    def pack(rank: int, step: int, entries: Sequence[Entry], values: list[Value]) -> RankMeta:
+    def pack(
+        rank: int, step: int, entries: Sequence[Entry], values: list[Value], tree: Any = None
+    ) -> RankMeta:
         by_group: dict[str, list[Entry]] = defaultdict(list)
         for e in entries:
             by_group[e[0].split(".", 1)[0]].append(e)
         groups = [(g, pickle.dumps(es, protocol=5)) for g, es in by_group.items()]
-        return RankMeta(rank, step, groups, values)
+        return RankMeta(rank, step, groups, values, tree=tree)
 
 
 @dataclass(slots=True)
@@ -75,6 +81,8 @@ class SavePlan:
     """The entry blobs as decoded by the plan (the coordinator's manifest reuses them)."""
     metas: list[RankMeta] = field(default_factory=list)
     """The rank descriptions the plan was made from (one process: made by the plan)."""
+    tree: Any = None
+    """The structure of the whole state: every rank's, merged."""
 
     @property
     def problems(self) -> list[str]:
@@ -139,6 +147,12 @@ def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
         shown = "; ".join(f"step {s} on ranks {_ranks(r)}" for s, r in sorted(by_step.items()))
         return _refuse(world, [f"ranks disagree on the step: {shown}"])
 
+    merged: Any = None
+    for m in metas:
+        try:
+            merged = tree.merge(merged, m.tree)
+        except ValueError as e:
+            return _refuse(world, [f"ranks hold differently shaped states: {e} (rank {m.rank})"])
     decoded: dict[bytes, list[Entry]] = {}
     uniques, problems = _collect(metas, decoded)
     if problems:
@@ -163,13 +177,15 @@ def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
             replicated.append(u)
     _balance(replicated, loads, assignments)
     _assign_values(metas, loads, assignments)
-    return SavePlan(assignments, loads, tensors, decoded, metas)
+    return SavePlan(assignments, loads, tensors, decoded, metas, merged)
 
 
 _LOCAL_BLOB = b"<this process>"
 
 
-def plan_local(entries: list[Entry], values: list[Value], step: int, snapshot_id: str) -> SavePlan:
+def plan_local(
+    entries: list[Entry], values: list[Value], step: int, snapshot_id: str, structure: Any = None
+) -> SavePlan:
     """The plan of a single process: it writes everything, all of it global. Nothing is
     pickled (the pause of an asynchronous save includes planning)."""
     problems: list[str] = []
@@ -189,8 +205,8 @@ def plan_local(entries: list[Entry], values: list[Value], step: int, snapshot_id
         values=[(i, GLOBAL) for i in range(len(values))],
     )
     loads = [sum(e[4] for e in entries) + sum(v[3] for v in values)]
-    meta = RankMeta(0, step, [("", _LOCAL_BLOB)], values)
-    return SavePlan([a], loads, tensors, {_LOCAL_BLOB: list(entries)}, [meta])
+    meta = RankMeta(0, step, [("", _LOCAL_BLOB)], values, tree=structure)
+    return SavePlan([a], loads, tensors, {_LOCAL_BLOB: list(entries)}, [meta], structure)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -33,6 +33,7 @@ from trainsnap.errors import CorruptError, IncompatibleError, InvalidArgumentErr
 from trainsnap.format import values
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Piece, Region, RegionIndex
+from trainsnap.format.values import PickleKeys
 from trainsnap.state.capture import Targets, TensorItem, ValueTarget
 from trainsnap.storage.base import Storage
 
@@ -62,6 +63,11 @@ def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) ->
         return
     bound = [t.key for t in targets.tensors if _rank_scoped(manifest, t.key)]
     bound += [v.key for v in targets.values if _rank_scoped(manifest, v.key, value=True)]
+    refuse_rank_bound(manifest, bound)
+
+
+def refuse_rank_bound(manifest: Manifest, bound: list[str]) -> None:
+    """Raise for per-rank entries asked for on another world size (nothing when none)."""
     if bound:
         world = manifest.topology.get("world_size")
         raise IncompatibleError(
@@ -74,6 +80,11 @@ def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) ->
             snapshot_id=manifest.snapshot_id,
             key=bound[0],
         )
+
+
+def rank_scoped(manifest: Manifest, key: str) -> bool:
+    """True when ``key`` was saved per rank (a tensor or a value)."""
+    return _rank_scoped(manifest, key) or _rank_scoped(manifest, key, value=True)
 
 
 def _rank_scoped(manifest: Manifest, key: str, value: bool = False) -> bool:
@@ -276,7 +287,7 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
 
 
 def read_values(
-    reader: Reader, manifest: Manifest, targets: Targets, rank: int, *, allow_pickle: bool
+    reader: Reader, manifest: Manifest, targets: Targets, rank: int, *, allow_pickle: PickleKeys
 ) -> list[tuple[ValueTarget, Any]]:
     """Read, verify and decode every value the state asks for (nothing is assigned yet)."""
     base = manifest.value_chunk_base()
@@ -323,7 +334,7 @@ def fill(
     targets: Targets,
     rank: int,
     *,
-    allow_pickle: bool,
+    allow_pickle: PickleKeys,
     same_world: bool = True,
 ) -> Reader:
     """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
@@ -333,7 +344,9 @@ def fill(
     reader = Reader(storage, manifest)
     values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)
     load_tensors(reader, pairs, tunables.get().io_threads)
-    for v, value in values:
+    if targets.assign is not None:
+        targets.assign({v.key: value for v, value in values})
+    for v, value in values if targets.assign is None else ():
         if v.container is None:
             raise InvalidArgumentError(f"nowhere to put the value {v.key!r}", key=v.key)
         v.container[v.index] = value

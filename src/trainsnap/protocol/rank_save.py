@@ -24,6 +24,7 @@ from trainsnap.format import compression, values
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import layout_objects
 from trainsnap.format.manifest import LEVELS, STATE_KINDS
+from trainsnap.format.values import PickleKeys
 from trainsnap.protocol.planner import Assignment, Entry, RankMeta, Value
 from trainsnap.state.capture import Captured, TensorItem, capture
 from trainsnap.storage.base import Storage
@@ -44,7 +45,7 @@ class SaveRequest:
     state_kinds: Mapping[str, bool] = field(default_factory=dict)
     user_versions: Mapping[str, Any] = field(default_factory=dict)
     meta: Mapping[str, Any] = field(default_factory=dict)
-    allow_pickle: bool = False
+    allow_pickle: PickleKeys = False
     checksum: str = "xxh3-128"
     compression: str | Mapping[str, str | None] | None = None
     """Lossless compression of tensor data: None, "zstd" or "bytegroup+zstd", for everything or
@@ -121,7 +122,7 @@ class Local:
         return self.staged[index][0]
 
     def meta(self, rank: int, step: int) -> RankMeta:
-        return RankMeta.pack(rank, step, self.entries, self.values)
+        return RankMeta.pack(rank, step, self.entries, self.values, self.captured.tree)
 
     @property
     def nbytes(self) -> int:

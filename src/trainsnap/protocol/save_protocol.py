@@ -143,7 +143,7 @@ def _agree(
         sid = commit.new_snapshot_id(opts.step)
         if comm.world_size == 1:
             assert local is not None
-            single = plan_local(local.entries, local.values, opts.step, sid)
+            single = plan_local(local.entries, local.values, opts.step, sid, local.captured.tree)
             if single.problems:
                 raise _refusal(single.problems)
             return PendingSave(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from trainsnap.errors import InvalidArgumentError
+from trainsnap.format import tree as tree_mod
 from trainsnap.format.regions import Box, Flat, Region, Shape
 
 GLOBAL = -1
@@ -112,6 +113,8 @@ class Captured:
     values: list[ValueItem] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)
     """Dimension names and sizes of the device mesh of the state's DTensors, if any."""
+    tree: Any = None
+    """The state's structure (:mod:`trainsnap.format.tree`)."""
 
 
 @dataclass(slots=True)
@@ -120,6 +123,9 @@ class Targets:
     values: list[ValueTarget] = field(default_factory=list)
     finishers: list[Callable[[], None]] = field(default_factory=list)
     """Run in order after filling: ``load_state_dict`` of each stateful object, innermost first."""
+    assign: Callable[[dict[str, Any]], None] | None = None
+    """When set, puts the decoded values (by key) and created tensors in place, instead of
+    each value target's container (loads driven by the saved tree)."""
 
 
 def is_stateful(obj: object) -> bool:
@@ -141,16 +147,23 @@ def _has_tensor(obj: object) -> bool:
 
 
 def _join(prefix: str, key: object) -> str:
-    if isinstance(key, bool) or not isinstance(key, str | int):
+    if not tree_mod.is_key(key):
         raise InvalidArgumentError(
             f"state key {key!r} under {prefix or 'the root'!r} is a {type(key).__name__}; "
-            "keys must be str or int",
+            "keys must be str, int, float, bool or None",
             key=prefix,
         )
-    part = str(key)
+    part = tree_mod.part(key)  # type: ignore[arg-type]
     if part == "":
         raise InvalidArgumentError(f"empty key under {prefix or 'the root'!r}", key=prefix)
     return f"{prefix}.{part}" if prefix else part
+
+
+def leaf_item(key: str, leaf: torch.Tensor | Sharded) -> TensorItem:
+    """The entry of a tensor leaf (a tensor, a DTensor or a :class:`Sharded`)."""
+    if isinstance(leaf, Sharded):
+        return TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
+    return _leaf_tensor(key, leaf)
 
 
 def _leaf_tensor(key: str, tensor: torch.Tensor) -> TensorItem:
@@ -245,10 +258,12 @@ def _walk(
     parent: Any,
     idx: Any,
     finishers: list[Callable[[], None]] | None,
-) -> None:
+) -> Any:
+    """Visit every leaf under ``obj``; returns the structure (a :mod:`~trainsnap.format.tree`
+    node) of what was walked."""
     if isinstance(obj, torch.Tensor | Sharded):
         visit(key, obj, parent, idx)
-        return
+        return tree_mod.LEAF
     if is_stateful(obj):
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
@@ -257,18 +272,17 @@ def _walk(
                 f"{type(sd).__name__}, not a mapping",
                 key=key,
             )
-        _walk_mapping(sd, key, visit, finishers)
+        node = _walk_mapping(sd, key, visit, finishers)
         if finishers is not None:
             finishers.append(partial(obj.load_state_dict, sd))
-        return
+        return node
     if isinstance(obj, Mapping):
-        _walk_mapping(obj, key, visit, finishers)
-        return
+        return _walk_mapping(obj, key, visit, finishers)
     if isinstance(obj, list | tuple) and _has_tensor(obj):
-        for i, v in enumerate(obj):
-            _walk(v, _join(key, i), visit, obj, i, finishers)
-        return
+        children = [_walk(v, _join(key, i), visit, obj, i, finishers) for i, v in enumerate(obj)]
+        return tree_mod.sequence(tree_mod.container_kind(obj), children)
     visit(key, obj, parent, idx)
+    return tree_mod.LEAF
 
 
 def _walk_mapping(
@@ -276,9 +290,11 @@ def _walk_mapping(
     key: str,
     visit: Callable[[str, Any, Any, Any], None],
     finishers: list[Callable[[], None]] | None,
-) -> None:
-    for k, v in manifest.items():
-        _walk(v, _join(key, k), visit, manifest, k, finishers)
+) -> Any:
+    pairs = [
+        (k, _walk(v, _join(key, k), visit, manifest, k, finishers)) for k, v in manifest.items()
+    ]
+    return tree_mod.mapping(tree_mod.container_kind(manifest), pairs)
 
 
 def _check_root(state: object) -> None:
@@ -314,7 +330,7 @@ def capture(state: Any) -> Captured:
         else:
             out.values.append(ValueItem(key, leaf))
 
-    _walk(state, "", visit, None, None, None)
+    out.tree = _walk(state, "", visit, None, None, None)
     return out
 
 

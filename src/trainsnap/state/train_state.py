@@ -29,6 +29,7 @@ import torch
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
 from trainsnap.format.manifest import LEVELS, Manifest, level_rank
 from trainsnap.state import rng as rng_mod
+from trainsnap.state.model_parts import ModelParts
 
 log = logging.getLogger("trainsnap.load")
 
@@ -60,14 +61,19 @@ class TrainState:
     """A training run's whole state, saved and restored as one.
 
     Args:
-        model: the model (``nn.Module``; DDP, FSDP2 and compiled modules included).
-        optimizer: one optimizer or a list (their parameters must be disjoint).
+        model: the model: an ``nn.Module`` (DDP, FSDP2 and compiled modules included), a list
+            of modules (model parts, e.g. pipeline stages: their FQNs are kept, merged), a dict
+            of modules (each under its name: a GAN's pair, a model and its EMA) or a Stateful
+            (``state_dict``/``load_state_dict``, e.g. torchtitan's ``ModelWrapper``).
+        optimizer: one torch optimizer or a list (over a single module; parameters disjoint);
+            one per model part (a list in order, or a dict by name); or a Stateful optimizer
+            container (e.g. torchtitan's ``OptimizersContainer``).
         scheduler: one LR scheduler or a list.
         scaler: a ``torch.amp.GradScaler``.
         dataloader: the data cursor: a :class:`trainsnap.ElasticSampler`, a torchdata
             ``StatefulDataLoader``, or anything with ``state_dict``/``load_state_dict``.
         extra: a dict of plain data and tensors (``tokens_seen``, ``samples_seen``, ...); loads
-            fill it in place.
+            fill it in place with everything saved under it (an empty dict is filled too).
         rng: capture the RNG of Python, NumPy, torch CPU and CUDA (per rank).
         versions: model, tokenizer, code, data, container versions; a change refuses ``strict``.
         grads: also save the parameters' ``.grad`` (a save in the middle of gradient
@@ -76,7 +82,7 @@ class TrainState:
 
     def __init__(
         self,
-        model: torch.nn.Module | None = None,
+        model: Any = None,
         optimizer: Any = None,
         scheduler: Any = None,
         scaler: Any = None,
@@ -88,19 +94,23 @@ class TrainState:
         grads: bool = False,
     ) -> None:
         self.model = model
-        self.optimizers = _as_list(optimizer)
+        if optimizer is not None and model is None:
+            raise InvalidArgumentError("TrainState: an optimizer needs its model")
+        self._parts = ModelParts(model, optimizer) if model is not None else None
+        self.optimizers = (
+            [o for opts in self._parts.optimizers.values() for o in opts] if (self._parts) else []
+        )
         self.schedulers = _as_list(scheduler)
         self.scheduler_is_list = isinstance(scheduler, list | tuple)
         self.scaler = scaler
         self.dataloader = dataloader
         self.extra = extra if extra is not None else {}
+        self.extra_given = extra is not None
         self.rng = rng
         self.versions = dict(versions or {})
         self.grads = grads
-        if self.optimizers and model is None:
-            raise InvalidArgumentError("TrainState: an optimizer needs its model")
-        if grads and model is None:
-            raise InvalidArgumentError("TrainState: grads=True needs the model")
+        if grads and (self._parts is None or self._parts.kind == "stateful"):
+            raise InvalidArgumentError("TrainState: grads=True needs the model's modules")
         if not isinstance(self.extra, dict):
             raise InvalidArgumentError("TrainState: extra must be a dict")
 
@@ -110,10 +120,10 @@ class TrainState:
         """The parts this state asks for."""
         have = {
             "model": self.model is not None,
-            "optim": bool(self.optimizers),
+            "optim": self._parts is not None and self._parts.has_optimizer,
             "scheduler": bool(self.schedulers),
             "scaler": self.scaler is not None,
-            "extra": bool(self.extra),
+            "extra": self.extra_given or bool(self.extra),
             "grads": self.grads,
             "rng": self.rng,
             "data": self.dataloader is not None,
@@ -168,14 +178,10 @@ class TrainState:
 
     # -- saving -----------------------------------------------------------------------------
 
-    def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        assert self.model is not None
-        if self.optimizers:
-            msd, osd = get_state_dict(self.model, self.optimizers)
-            return dict(msd), dict(osd)
-        return dict(get_model_state_dict(self.model)), None
+    def _model_and_optim(self, with_optim: bool) -> tuple[Any, Any]:
+        assert self._parts is not None
+        msd = self._parts.model_tree()
+        return msd, self._parts.optim_tree() if with_optim else None
 
     def save_tree(self, parts: Collection[str] | None = None) -> dict[str, Any]:
         """What a save stores, as a tree of tensors and plain data: every part, or only
@@ -183,16 +189,10 @@ class TrainState:
         want = set(self.parts()) if parts is None else set(parts) & set(self.parts())
         tree: dict[str, Any] = {}
         if "model" in want:
-            if "optim" in want:
-                msd, osd = self._model_and_optim()
-                assert osd is not None
+            msd, osd = self._model_and_optim("optim" in want)
+            if osd is not None:
                 tree["optim"] = osd
                 tree["optim_meta"] = {"stateless": self._stateless(osd)}
-            else:
-                from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-                assert self.model is not None
-                msd = dict(get_model_state_dict(self.model))
             tree["model"] = msd
         if "scheduler" in want:
             sds = [s.state_dict() for s in self.schedulers]
@@ -209,14 +209,18 @@ class TrainState:
             tree["grads"] = self._grads()
         return tree
 
-    def _stateless(self, osd: dict[str, Any]) -> list[str]:
+    def _stateless(self, osd: Any) -> list[str]:
         """Parameters with no optimizer state (they never got a gradient)."""
-        named = [n for g in osd["param_groups"] for n in g["params"]]
-        return sorted(n for n in named if n not in osd["state"])
+        assert self._parts is not None
+        out: list[str] = []
+        for sd in self._parts.plain_optim_trees(osd):
+            named = [n for g in sd["param_groups"] for n in g["params"]]
+            out += [n for n in named if n not in sd["state"]]
+        return sorted(out)
 
     def _grads(self) -> dict[str, torch.Tensor]:
-        assert self.model is not None
-        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+        assert self._parts is not None
+        return {n: p.grad for n, p in self._parts.named_parameters() if p.grad is not None}
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -315,19 +319,15 @@ class TrainState:
         parts = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
         tree: dict[str, Any] = {}
         if "model" in parts:
-            if "optim" in parts:
-                msd, osd = self._model_and_optim()
-                assert osd is not None
+            msd, osd = self._model_and_optim("optim" in parts)
+            if osd is not None:
+                assert self._parts is not None
                 stateless = set(snap.stateless)
-                for name in list(osd["state"]):
-                    if name in stateless:
-                        del osd["state"][name]  # had no state when saved: must have none now
+                for sd in self._parts.plain_optim_trees(osd):
+                    for name in list(sd["state"]):
+                        if name in stateless:
+                            del sd["state"][name]  # had no state when saved: must have none now
                 tree["optim"] = osd
-            else:
-                from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-                assert self.model is not None
-                msd = dict(get_model_state_dict(self.model))
             tree["model"] = msd
         if "scheduler" in parts:
             sds = [s.state_dict() for s in self.schedulers]
@@ -341,10 +341,10 @@ class TrainState:
         if "extra" in parts:
             tree["extra"] = self.extra
         if "grads" in parts:
-            assert self.model is not None
+            assert self._parts is not None
             names = snap.grad_names
             tree["grads"] = {
-                n: torch.zeros_like(p) for n, p in self.model.named_parameters() if n in names
+                n: torch.zeros_like(p) for n, p in self._parts.named_parameters() if n in names
             }
         return tree
 
@@ -359,23 +359,8 @@ class TrainState:
         """Give every object its loaded state back (after a load filled ``tree`` and
         :meth:`check_loaded` accepted it on every rank)."""
         if "model" in tree:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            assert self.model is not None
-            set_model_state_dict(self.model, tree["model"])
-            if "optim" in tree:
-                # Not strict: parameters that had no optimizer state when saved (they never got
-                # a gradient) must have none now; plan_load checked exactly which those are.
-                set_optimizer_state_dict(
-                    self.model,
-                    self.optimizers,
-                    tree["optim"],
-                    options=StateDictOptions(strict=False),
-                )
+            assert self._parts is not None
+            self._parts.apply(tree["model"], tree.get("optim"))
         if "scheduler" in tree:
             sds = tree["scheduler"] if self.scheduler_is_list else [tree["scheduler"]]
             for s, sd in zip(self.schedulers, sds, strict=True):
@@ -385,8 +370,8 @@ class TrainState:
         if "data" in tree:
             self.dataloader.load_state_dict(tree["data"])
         if "grads" in tree:
-            assert self.model is not None
-            params = dict(self.model.named_parameters())
+            assert self._parts is not None
+            params = dict(self._parts.named_parameters())
             for n, g in tree["grads"].items():
                 params[n].grad = g
         if "rng" in tree:

@@ -1,0 +1,251 @@
+"""The structure of a saved state tree (format 4), so that a snapshot reads back with no template.
+
+Entries are keyed by dotted paths (``optim.state.0.exp_avg``); the dotted path alone cannot say
+that ``0`` was an int key, that ``state`` was an ``OrderedDict``, that a list was a tuple or that
+an empty dict was there at all. The tree says it. A node is JSON:
+
+* ``0``: a leaf, the tensor or value entry whose key is the node's dotted path;
+* ``{"d": [[key, node], ...]}``: a dict, in order (``"o"``: an ``OrderedDict``);
+* ``{"l": [node, ...]}``: a list (``"t"``: a tuple).
+
+Keys are JSON scalars and keep their type (str, int, float, bool, null). A leaf's dotted path is
+its keys joined by ``.`` (``str(key)`` for non-strings); two leaves with the same path are
+refused when saving. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+LEAF: Final = 0
+MAPPINGS: Final = ("d", "o")
+SEQUENCES: Final = ("l", "t")
+MAX_DEPTH: Final = 256
+"""Deepest nesting a tree may have (a crafted tree must not exhaust the stack)."""
+
+Key = str | int | float | bool | None
+
+
+def is_key(key: object) -> bool:
+    """True for a key the tree can keep: a JSON scalar (floats finite)."""
+    if key is None or isinstance(key, str | int):
+        return True
+    return isinstance(key, float) and math.isfinite(key)
+
+
+def part(key: Key) -> str:
+    """A key's part of a dotted path."""
+    return key if isinstance(key, str) else str(key)
+
+
+def join(prefix: str, key: Key) -> str:
+    p = part(key)
+    return f"{prefix}.{p}" if prefix else p
+
+
+def kind(node: Any) -> str:
+    """``"leaf"``, or the container kind of a node (``d``, ``o``, ``l``, ``t``)."""
+    if node == LEAF and not isinstance(node, bool | dict):
+        return "leaf"
+    if isinstance(node, dict) and len(node) == 1:
+        (k,) = node
+        if k in MAPPINGS + SEQUENCES:
+            return str(k)
+    raise ValueError(f"not a tree node: {_short(node)}")
+
+
+def items(node: dict[str, Any]) -> list[tuple[Key, Any]]:
+    """(key, child) of a container node; list indices are the keys of a sequence."""
+    ((k, body),) = node.items()
+    if k in SEQUENCES:
+        return list(enumerate(body))
+    return [(key, child) for key, child in body]
+
+
+def mapping(kind_: str, pairs: Sequence[tuple[Key, Any]]) -> dict[str, Any]:
+    return {kind_: [[k, child] for k, child in pairs]}
+
+
+def sequence(kind_: str, children: Sequence[Any]) -> dict[str, Any]:
+    return {kind_: list(children)}
+
+
+def container_kind(obj: object) -> str:
+    """The kind a Python container is saved as."""
+    if isinstance(obj, OrderedDict):
+        return "o"
+    if isinstance(obj, tuple):
+        return "t"
+    if isinstance(obj, list):
+        return "l"
+    return "d"
+
+
+def empty(kind_: str) -> Any:
+    return {"d": dict, "o": OrderedDict, "l": list, "t": list}[kind_]()
+
+
+def leaves(node: Any, prefix: str = "") -> Iterator[str]:
+    """The dotted path of every leaf under ``node``, in order."""
+    stack: list[tuple[Any, str]] = [(node, prefix)]
+    while stack:
+        n, path = stack.pop()
+        if kind(n) == "leaf":
+            yield path
+            continue
+        stack.extend((c, join(path, k)) for k, c in reversed(items(n)))
+
+
+def child(node: Any, key: Key) -> Any:
+    """The child of a container node at ``key``, or None."""
+    if kind(node) in SEQUENCES:
+        body = node[kind(node)]
+        return body[key] if isinstance(key, int) and 0 <= key < len(body) else None
+    for k, c in items(node):
+        if k == key and type(k) is type(key):
+            return c
+    return None
+
+
+def select(node: Any, prefixes: Sequence[str], prefix: str = "") -> Any:
+    """The part of a mapping tree under the dotted ``prefixes`` (a prefix selects the key it
+    names and everything below it); None when nothing matches."""
+    if any(prefix == p or prefix.startswith(p + ".") for p in prefixes) and prefix:
+        return node
+    if kind(node) == "leaf":
+        return None
+    kept = []
+    for k, c in items(node):
+        path = join(prefix, k)
+        if any(p == path or p.startswith(path + ".") or path.startswith(p + ".") for p in prefixes):
+            sub = select(c, prefixes, path)
+            if sub is not None:
+                kept.append((k, sub))
+    if not kept:
+        return None
+    k = kind(node)
+    return sequence(k, [c for _, c in kept]) if k in SEQUENCES else mapping(k, kept)
+
+
+def merge(a: Any, b: Any, path: str = "") -> Any:
+    """One tree holding both (the ranks of a job may hold different keys: pipeline stages).
+    Mapping keys are united in order of first appearance; a sequence takes the longer one's
+    length. Raises ValueError naming the path where the two disagree on a kind."""
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    ka, kb = kind(a), kind(b)
+    if ka != kb:
+        where = repr(path or "the root")
+        raise ValueError(f"{where} is a {_NAMES[ka]} on one rank, a {_NAMES[kb]} on another")
+    if ka in SEQUENCES:
+        xs, ys = a[ka], b[kb]
+        n = max(len(xs), len(ys))
+        return sequence(
+            ka,
+            [
+                merge(xs[i] if i < len(xs) else None, ys[i] if i < len(ys) else None, join(path, i))
+                for i in range(n)
+            ],
+        )
+    merged: dict[tuple[str, Key], Any] = {}
+    for key, c in items(a):
+        merged[(type(key).__name__, key)] = c
+    for key, c in items(b):
+        tk = (type(key).__name__, key)
+        merged[tk] = merge(merged.get(tk), c, join(path, key))
+    return mapping(ka, [(k, c) for (_, k), c in merged.items()])
+
+
+_NAMES: Final = {
+    "leaf": "tensor or value",
+    "d": "dict",
+    "o": "OrderedDict",
+    "l": "list",
+    "t": "tuple",
+}
+
+
+def name(kind_: str) -> str:
+    return _NAMES[kind_]
+
+
+def problems(tree: Any, keys: set[str]) -> list[str]:
+    """What is wrong with a decoded tree, given the keys of the manifest's entries: every leaf
+    must name an entry and every entry be reached by a leaf; nesting is bounded; keys are
+    scalars, distinct within their container."""
+    out: list[str] = []
+    try:
+        _check(tree, 0)
+        if kind(tree) not in MAPPINGS:
+            return ["tree: the root is not a mapping"]
+        found = set()
+        for path in leaves(tree):
+            if path in found:
+                return [f"tree: two leaves share the key {path!r}"]
+            found.add(path)
+    except (ValueError, TypeError) as e:
+        return [f"tree: {e}"]
+    lacking = sorted(found - keys)
+    if lacking:
+        out.append(f"tree: {len(lacking)} leaf/leaves name no entry, e.g. {lacking[0]!r}")
+    unreached = sorted(keys - found)
+    if unreached:
+        out.append(f"tree: {len(unreached)} entry/entries have no leaf, e.g. {unreached[0]!r}")
+    return out
+
+
+def _check(node: Any, depth: int) -> None:
+    stack = [(node, depth)]
+    while stack:
+        n, d = stack.pop()
+        if d > MAX_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_DEPTH}")
+        k = kind(n)
+        if k == "leaf":
+            continue
+        body = n[k]
+        if not isinstance(body, list):
+            raise ValueError(f"a {_NAMES[k]} node holds a {type(body).__name__}")
+        if k in MAPPINGS:
+            seen = set()
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2 and is_key(pair[0])):
+                    raise ValueError(f"bad {_NAMES[k]} item {_short(pair)}")
+                tk = (type(pair[0]).__name__, pair[0])
+                if tk in seen:
+                    raise ValueError(f"a {_NAMES[k]} repeats the key {pair[0]!r}")
+                seen.add(tk)
+                stack.append((pair[1], d + 1))
+        else:
+            stack.extend((c, d + 1) for c in body)
+
+
+def _short(obj: object) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+__all__ = [
+    "LEAF",
+    "MAX_DEPTH",
+    "child",
+    "container_kind",
+    "empty",
+    "is_key",
+    "items",
+    "join",
+    "kind",
+    "leaves",
+    "mapping",
+    "merge",
+    "name",
+    "part",
+    "problems",
+    "select",
+    "sequence",
+]

@@ -1,0 +1,288 @@
+"""The load rule, driven by the saved tree (format 4), and template-free reads.
+
+The top-level keys of the state given to a load say what to restore; under each of them the
+snapshot's tree decides what comes back, exactly as saved:
+
+* a tensor in the state is filled in place (its layout may differ from the saved one);
+* a placeholder (None, ``{}``, ``[]``, a dict with fewer keys, a shorter list, a plain value) is
+  replaced or completed from the snapshot: plain values decoded, containers rebuilt with their
+  saved kind, key types and order, unsharded tensors created on CPU;
+* an object with ``load_state_dict`` gets its whole saved subtree (its current state dict is
+  the template: tensors there are filled in place, the rest is filled as above);
+* a saved tensor that was sharded (several shards) with no destination tensor is refused --
+  never a hidden full materialisation on every rank;
+* a key the state holds that the snapshot lacks, and a container the state holds with more items
+  than the snapshot's, are errors.
+
+Everything is planned before the first byte is read; values are assigned only once every read
+succeeded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
+from trainsnap.format import tree, values
+from trainsnap.format.manifest import Manifest, keys_summary
+from trainsnap.format.regions import Box
+from trainsnap.protocol.rank_load import rank_scoped, refuse_rank_bound
+from trainsnap.state.capture import (
+    Sharded,
+    Targets,
+    TensorItem,
+    ValueTarget,
+    is_stateful,
+    leaf_item,
+)
+
+Realize = Callable[[dict[str, Any]], Any]
+"""Builds a node's final object once the values are decoded (by key)."""
+_ABSENT: Any = object()
+"""What a read builds for a leaf that only other ranks hold (left out of its container)."""
+
+
+class _Planner:
+    def __init__(self, manifest: Manifest, rank: int, *, lenient: bool = False) -> None:
+        """``lenient``: a read (sharded tensors are assembled whole; another rank's entries
+        are left out) rather than a load."""
+        self.m, self.rank, self.lenient = manifest, rank, lenient
+        self.targets = Targets()
+        self.missing: list[str] = []
+        self.problems: list[tuple[str, str]] = []
+        self.stateful: list[Callable[[], None]] = []
+
+    # -- leaves ------------------------------------------------------------------------------
+
+    def _tensor_into(self, tmpl: Any, key: str) -> Realize:
+        if self.m.find_tensor(key, self.rank) is None:
+            if self.m.find_value(key, self.rank) is not None:
+                self.problems.append((key, "the state holds a tensor, the snapshot a plain value"))
+            else:
+                self.missing.append(key)
+        else:
+            self.targets.tensors.append(leaf_item(key, tmpl))
+        return lambda _d: tmpl
+
+    def _created_tensor(self, t: int, key: str) -> Realize:
+        shape = self.m.tensor_shapes[t]
+        shards = self.m.tensor_shards(t)
+        if not self.lenient and (len(shards) != 1 or shards[0][1] != Box.full(shape)):
+            self.problems.append(
+                (
+                    key,
+                    f"saved sharded ({len(shards)} shards of shape {list(shape)}) and the state "
+                    "holds no tensor there to load into: put a tensor of this rank's layout "
+                    "(a DTensor or ts.Sharded) at this key; trainsnap never assembles a sharded "
+                    "tensor whole on every rank unasked (ts.read does it on request)",
+                )
+            )
+            return lambda _d: None
+        local = torch.empty(shape, dtype=values.dtype_from_name(self.m.tensor_dtypes[t]))
+        self.targets.tensors.append(TensorItem(key, local, shape, Box.full(shape)))
+        return lambda _d: local
+
+    def _saved_leaf(self, key: str) -> Realize:
+        t = self.m.find_tensor(key, self.rank)
+        if t is not None:
+            return self._created_tensor(t, key)
+        if self.m.find_value(key, self.rank) is not None:
+            self.targets.values.append(ValueTarget(key, None, None))
+            return lambda d: d[key]
+        if self.lenient:  # a read: another rank's entry, not this rank's
+            return lambda _d: _ABSENT
+        self.missing.append(key)
+        return lambda _d: None
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def node(self, tmpl: Any, saved: Any, key: str) -> Realize:
+        if is_stateful(tmpl):
+            return self._stateful(tmpl, saved, key)
+        if isinstance(tmpl, torch.Tensor | Sharded):
+            if saved is None or tree.kind(saved) == "leaf":
+                return self._tensor_into(tmpl, key)
+            self.problems.append(
+                (key, f"the state holds a tensor, the snapshot a {tree.name(tree.kind(saved))}")
+            )
+            return lambda _d: tmpl
+        if saved is None:
+            self.missing.append(key)
+            return lambda _d: tmpl
+        kind = tree.kind(saved)
+        if kind == "leaf":
+            return self._saved_leaf(key)
+        if kind in tree.MAPPINGS:
+            return self._mapping(tmpl, saved, key)
+        return self._sequence(tmpl, saved, key)
+
+    def _stateful(self, obj: Any, saved: Any, key: str) -> Realize:
+        sd = obj.state_dict()
+        if not isinstance(sd, Mapping):
+            raise InvalidArgumentError(
+                f"{key or 'state'}: {type(obj).__name__}.state_dict() returned "
+                f"{type(sd).__name__}, not a mapping",
+                key=key,
+            )
+        build = self.node(sd, saved, key)
+
+        def realize(decoded: dict[str, Any]) -> Any:
+            new = build(decoded)
+            self.stateful.append(lambda: obj.load_state_dict(new))
+            return obj
+
+        return realize
+
+    def _mapping(self, tmpl: Any, saved: Any, key: str) -> Realize:
+        kind = tree.kind(saved)
+        pairs = tree.items(saved)
+        saved_keys = {(type(k), k) for k, _ in pairs}
+        given = tmpl if isinstance(tmpl, Mapping) else {}
+        for k in given:
+            if (type(k), k) not in saved_keys:
+                self.missing.append(tree.join(key, k) if tree.is_key(k) else f"{key}.{k!r}")
+        children = [
+            (k, self.node(given.get(k) if k in given else None, c, tree.join(key, k)))
+            for k, c in pairs
+        ]
+        wanted = OrderedDict if kind == "o" else dict
+        in_place = isinstance(tmpl, MutableMapping) and type(tmpl) is wanted
+
+        def realize(decoded: dict[str, Any]) -> Any:
+            built = [(k, v) for k, build in children if (v := build(decoded)) is not _ABSENT]
+            if not in_place:
+                return wanted(built)
+            if list(tmpl) == [k for k, _ in built]:
+                for k, v in built:
+                    tmpl[k] = v
+            else:
+                tmpl.clear()
+                tmpl.update(built)
+            return tmpl
+
+        return realize
+
+    def _sequence(self, tmpl: Any, saved: Any, key: str) -> Realize:
+        kind = tree.kind(saved)
+        body = saved[kind]
+        given: Sequence[Any] = tmpl if isinstance(tmpl, list | tuple) else ()
+        if len(given) > len(body):
+            self.problems.append(
+                (key, f"the state holds {len(given)} items, the snapshot {len(body)}")
+            )
+        children = [
+            self.node(given[i] if i < len(given) else None, c, tree.join(key, i))
+            for i, c in enumerate(body)
+        ]
+        in_place = kind == "l" and type(tmpl) is list
+
+        def realize(decoded: dict[str, Any]) -> Any:
+            built = [None if (v := build(decoded)) is _ABSENT else v for build in children]
+            if kind == "t":
+                return tuple(built)
+            if not in_place:
+                return built
+            tmpl[:] = built
+            return tmpl
+
+        return realize
+
+
+def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> Targets:
+    """What loading ``state`` from ``manifest`` (which has a tree) reads, and how the results
+    are put in place (``Targets.assign``); raises before reading anything when the state and the
+    snapshot do not fit."""
+    assert manifest.tree is not None
+    planner = _Planner(manifest, rank)
+    root_obj = state
+    if is_stateful(state) and not isinstance(state, Mapping):
+        root_obj = state.state_dict()
+        if not isinstance(root_obj, Mapping):
+            raise InvalidArgumentError(
+                f"{type(state).__name__}.state_dict() returned {type(root_obj).__name__}, "
+                "not a mapping"
+            )
+    builds = [
+        (k, planner.node(v, tree.child(manifest.tree, k), tree.join("", k)))
+        for k, v in root_obj.items()
+    ]
+    if not same_world:
+        refuse_rank_bound(manifest, [k for k in planner.missing if rank_scoped(manifest, k)])
+    _raise_unfit(manifest, planner)
+
+    def assign(decoded: dict[str, Any]) -> None:
+        for k, build in builds:
+            new = build(decoded)
+            if root_obj[k] is not new:
+                root_obj[k] = new
+        if root_obj is not state:
+            planner.stateful.append(lambda: state.load_state_dict(root_obj))
+
+    out = planner.targets
+    out.assign = assign
+    out.finishers = planner.stateful
+    return out
+
+
+def _raise_unfit(manifest: Manifest, planner: _Planner) -> None:
+    sid = manifest.snapshot_id
+    if planner.missing:
+        raise NotFoundError(
+            f"snapshot {sid} lacks {len(planner.missing)} key(s) the state asks for: "
+            f"{keys_summary(planner.missing)}. Load into a state that matches the one saved, or "
+            "remove those keys from the state you load into.",
+            snapshot_id=sid,
+            key=planner.missing[0],
+        )
+    if planner.problems:
+        raise IncompatibleError(
+            f"snapshot {sid} does not fit the state",
+            snapshot_id=sid,
+            key=planner.problems[0][0],
+            problems=[f"{k!r}: {why}" for k, why in planner.problems],
+        )
+
+
+# -- template-free reads --------------------------------------------------------------------------
+
+
+def read_plan(
+    manifest: Manifest, keys: Sequence[str] | None, rank: int
+) -> tuple[Targets, dict[str, Any]]:
+    """Targets that rebuild the saved tree (or the part under ``keys``), and the dict whose
+    ``"tree"`` they fill: tensors assembled whole on CPU, values decoded, containers as saved;
+    global entries and ``rank``'s own. Snapshots without a tree (older formats, imports) read as
+    a flat mapping of dotted keys."""
+    structure = manifest.tree if manifest.tree is not None else _flat_tree(manifest, rank)
+    if keys is not None:
+        unknown = [k for k in keys if tree.select(structure, [k]) is None]
+        if unknown:
+            raise NotFoundError(
+                f"snapshot {manifest.snapshot_id} has no key {unknown[0]!r} (keys= selects a "
+                "saved key and everything under it)",
+                snapshot_id=manifest.snapshot_id,
+                key=unknown[0],
+            )
+        structure = tree.select(structure, list(keys))
+    planner = _Planner(manifest, rank, lenient=True)
+    root = planner.node(None, structure, "")
+    _raise_unfit(manifest, planner)
+    out = planner.targets
+    result: dict[str, Any] = {}
+
+    def assign(decoded: dict[str, Any]) -> None:
+        result["tree"] = root(decoded)
+
+    out.assign = assign
+    return out, result
+
+
+def _flat_tree(manifest: Manifest, rank: int) -> Any:
+    tensors = zip(manifest.tensor_keys, manifest.tensor_ranks.tolist(), strict=True)
+    plain = zip(manifest.value_keys, manifest.value_ranks.tolist(), strict=True)
+    keys = dict.fromkeys(k for k, r in [*tensors, *plain] if r in (-1, rank))
+    return tree.mapping("d", [(k, tree.LEAF) for k in keys])

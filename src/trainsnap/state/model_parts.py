@@ -1,0 +1,171 @@
+"""The model and its optimizers as a :class:`~trainsnap.TrainState` saves and restores them.
+
+A model is an ``nn.Module``, a list of modules (model parts: pipeline stages keep their FQNs,
+merged into one mapping), a dict of modules (a GAN's or an EMA's pair, each under its name) or
+any Stateful (torchtitan's ``ModelWrapper``). Optimizers are torch optimizers (one list over a
+single module; one per part, in order or by name, over parts) or a Stateful container with its
+own ``state_dict`` (torchtitan's ``OptimizersContainer``).
+
+Modules and torch optimizers go through ``torch.distributed.checkpoint.state_dict``, so DDP,
+FSDP2/DTensor and compiled modules give FQN-keyed, reshardable state and optimizer state keyed
+by parameter name; Stateful objects are taken at their word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from trainsnap.errors import InvalidArgumentError
+from trainsnap.state.capture import is_stateful
+
+
+def is_container(optimizer: Any) -> bool:
+    """A Stateful optimizer container: its own ``state_dict`` (not a torch optimizer's)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).state_dict is not torch.optim.Optimizer.state_dict
+    return is_stateful(optimizer)
+
+
+class ModelParts:
+    """How one TrainState's model and optimizers become trees, and go back."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model = model
+        if isinstance(model, torch.nn.Module):
+            self.kind, self.parts = "module", {"": model}
+        elif isinstance(model, list | tuple) and model:
+            self.kind, self.parts = "parts", {str(i): m for i, m in enumerate(model)}
+        elif isinstance(model, Mapping) and model:
+            self.kind, self.parts = "named", {str(k): m for k, m in model.items()}
+        elif is_stateful(model):
+            self.kind, self.parts = "stateful", {}
+        else:
+            raise InvalidArgumentError(
+                f"TrainState: model must be an nn.Module, a non-empty list or dict of modules, or "
+                f"an object with state_dict()/load_state_dict(); got {type(model).__name__}"
+            )
+        bad = [k for k, m in self.parts.items() if not isinstance(m, torch.nn.Module)]
+        if bad:
+            raise InvalidArgumentError(f"TrainState: model part {bad[0]!r} is not an nn.Module")
+        self._part_keys: dict[str, list[str]] = {}
+        self.container = optimizer if optimizer is not None and is_container(optimizer) else None
+        self.optimizers = {} if self.container is not None else self._pair(optimizer)
+
+    def _pair(self, optimizer: Any) -> dict[str, list[Any]]:
+        """The torch optimizers of each part (a single module may have several)."""
+        if optimizer is None:
+            return {}
+        if self.kind == "module":
+            opts = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+            return {"": opts}
+        if self.kind == "stateful":
+            raise InvalidArgumentError(
+                "TrainState: torch optimizers need their modules; with a Stateful model pass a "
+                "Stateful optimizer container too (state_dict()/load_state_dict())"
+            )
+        if isinstance(optimizer, Mapping):
+            paired = {str(k): [o] for k, o in optimizer.items()}
+        elif isinstance(optimizer, list | tuple):
+            paired = {str(i): [o] for i, o in enumerate(optimizer)}
+        else:
+            paired = {k: [optimizer] for k in self.parts} if len(self.parts) == 1 else {}
+        if set(paired) != set(self.parts):
+            raise InvalidArgumentError(
+                f"TrainState: {len(self.parts)} model parts need one optimizer each, paired by "
+                f"{'name' if self.kind == 'named' else 'position'} (got {len(paired)}); or pass "
+                "one Stateful optimizer container"
+            )
+        return paired
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.container is not None or bool(self.optimizers)
+
+    # -- trees --------------------------------------------------------------------------------
+
+    def model_tree(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if self.kind == "stateful":
+            return self.model.state_dict()
+        sds = {k: dict(get_model_state_dict(m)) for k, m in self.parts.items()}
+        self._part_keys = {k: list(sd) for k, sd in sds.items()}
+        if self.kind == "module":
+            return sds[""]
+        if self.kind == "named":
+            return sds
+        merged: dict[str, Any] = {}
+        for part, sd in sds.items():
+            clash = next((k for k in sd if k in merged), None)
+            if clash is not None:
+                raise InvalidArgumentError(
+                    f"TrainState: model parts share the parameter name {clash!r} (part {part}); "
+                    "pass a dict of modules to keep each part under its own name"
+                )
+            merged.update(sd)
+        return merged
+
+    def optim_tree(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if self.container is not None:
+            return self.container.state_dict()
+        sds = {
+            k: dict(get_optimizer_state_dict(self.parts[k], opts))
+            for k, opts in self.optimizers.items()
+        }
+        if self.kind == "module":
+            return sds[""]
+        if self.kind == "named":
+            return sds
+        return [sds[str(i)] for i in range(len(sds))]
+
+    def plain_optim_trees(self, osd: Any) -> list[dict[str, Any]]:
+        """The torch optimizers' state dicts inside ``osd`` (none for a container)."""
+        if self.container is not None or osd is None:
+            return []
+        if self.kind == "module":
+            return [osd]
+        return list(osd.values()) if isinstance(osd, Mapping) else list(osd)
+
+    def apply(self, msd: Any, osd: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if self.kind == "stateful":
+            self.model.load_state_dict(msd)
+        for k, m in self.parts.items():
+            if self.kind == "module":
+                part_sd = msd
+            elif self.kind == "named":
+                part_sd = msd[k]
+            else:
+                part_sd = {n: msd[n] for n in self._part_keys[k]}
+            set_model_state_dict(m, part_sd)
+        if osd is None:
+            return
+        if self.container is not None:
+            self.container.load_state_dict(osd)
+            return
+        for k, opts in self.optimizers.items():
+            if self.kind == "module":
+                part_osd = osd
+            else:
+                part_osd = osd[k] if self.kind == "named" else osd[int(k)]
+            # Not strict: parameters that had no optimizer state when saved (they never got a
+            # gradient) must have none now; the load plan checked exactly which those are.
+            set_optimizer_state_dict(
+                self.parts[k], opts, part_osd, options=StateDictOptions(strict=False)
+            )
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for k, m in self.parts.items():
+            prefix = f"{k}." if self.kind == "named" else ""
+            for n, p in m.named_parameters():
+                yield prefix + n, p
