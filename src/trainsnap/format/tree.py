@@ -23,6 +23,7 @@ from typing import Any, Final
 LEAF: Final = 0
 MAPPINGS: Final = ("d", "o")
 SEQUENCES: Final = ("l", "t")
+_KINDS: Final = frozenset(MAPPINGS + SEQUENCES)
 MAX_DEPTH: Final = 256
 """Deepest nesting a tree may have (a crafted tree must not exhaust the stack)."""
 
@@ -31,7 +32,7 @@ Key = str | int | float | bool | None
 
 def is_key(key: object) -> bool:
     """True for a key the tree can keep: a JSON scalar (floats finite)."""
-    if key is None or isinstance(key, str | int):
+    if type(key) is str or key is None or isinstance(key, int):
         return True
     return isinstance(key, float) and math.isfinite(key)
 
@@ -48,11 +49,11 @@ def join(prefix: str, key: Key) -> str:
 
 def kind(node: Any) -> str:
     """``"leaf"``, or the container kind of a node (``d``, ``o``, ``l``, ``t``)."""
-    if node == LEAF and not isinstance(node, bool | dict):
+    if type(node) is int and node == LEAF:
         return "leaf"
-    if isinstance(node, dict) and len(node) == 1:
-        (k,) = node
-        if k in MAPPINGS + SEQUENCES:
+    if type(node) is dict and len(node) == 1:
+        k = next(iter(node))
+        if k in _KINDS:
             return str(k)
     raise ValueError(f"not a tree node: {_short(node)}")
 
@@ -108,6 +109,11 @@ def child(node: Any, key: Key) -> Any:
         if k == key and type(k) is type(key):
             return c
     return None
+
+
+def children(node: Any) -> dict[tuple[str, Key], Any]:
+    """A mapping node's children by (key type name, key): each found in O(1)."""
+    return {(type(k).__name__, k): c for k, c in items(node)}
 
 
 def select(node: Any, prefixes: Sequence[str], prefix: str = "") -> Any:
@@ -180,14 +186,9 @@ def problems(tree: Any, keys: set[str]) -> list[str]:
     scalars, distinct within their container."""
     out: list[str] = []
     try:
-        _check(tree, 0)
         if kind(tree) not in MAPPINGS:
             return ["tree: the root is not a mapping"]
-        found = set()
-        for path in leaves(tree):
-            if path in found:
-                return [f"tree: two leaves share the key {path!r}"]
-            found.add(path)
+        found = _check(tree)
     except (ValueError, TypeError) as e:
         return [f"tree: {e}"]
     lacking = sorted(found - keys)
@@ -199,30 +200,38 @@ def problems(tree: Any, keys: set[str]) -> list[str]:
     return out
 
 
-def _check(node: Any, depth: int) -> None:
-    stack = [(node, depth)]
+def _check(root: Any) -> set[str]:
+    """The leaves' paths of a well-formed tree; ValueError naming what is malformed."""
+    found: set[str] = set()
+    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
     while stack:
-        n, d = stack.pop()
+        n, path, d = stack.pop()
+        if type(n) is int and n == LEAF:  # most nodes: inline, this runs on every decode
+            if path in found:
+                raise ValueError(f"two leaves share the key {path!r}")
+            found.add(path)
+            continue
         if d > MAX_DEPTH:
             raise ValueError(f"nested deeper than {MAX_DEPTH}")
         k = kind(n)
-        if k == "leaf":
-            continue
         body = n[k]
         if not isinstance(body, list):
             raise ValueError(f"a {_NAMES[k]} node holds a {type(body).__name__}")
-        if k in MAPPINGS:
-            seen = set()
-            for pair in body:
-                if not (isinstance(pair, list) and len(pair) == 2 and is_key(pair[0])):
-                    raise ValueError(f"bad {_NAMES[k]} item {_short(pair)}")
-                tk = (type(pair[0]).__name__, pair[0])
-                if tk in seen:
-                    raise ValueError(f"a {_NAMES[k]} repeats the key {pair[0]!r}")
-                seen.add(tk)
-                stack.append((pair[1], d + 1))
-        else:
-            stack.extend((c, d + 1) for c in body)
+        if k in SEQUENCES:
+            stack.extend((c, join(path, i), d + 1) for i, c in enumerate(body))
+            continue
+        seen = set()
+        prefix = f"{path}." if path else ""
+        for pair in body:
+            if not (type(pair) is list and len(pair) == 2 and is_key(pair[0])):
+                raise ValueError(f"bad {_NAMES[k]} item {_short(pair)}")
+            key = pair[0]
+            tk = (type(key), key)
+            if tk in seen:
+                raise ValueError(f"a {_NAMES[k]} repeats the key {key!r}")
+            seen.add(tk)
+            stack.append((pair[1], prefix + (key if type(key) is str else str(key)), d + 1))
+    return found
 
 
 def _short(obj: object) -> str:

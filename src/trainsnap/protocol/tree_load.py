@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,10 @@ from trainsnap.state.capture import (
 )
 
 Realize = Callable[[dict[str, Any]], Any]
-"""Builds a node's final object once the values are decoded (by key)."""
+"""Builds a node's final object once the values are decoded (by key); ``_SAME`` for a node
+filled in place."""
+_SAME: Realize = cast(Realize, object())
+"""What a node filled in place builds: the template's own object stays where it is."""
 _ABSENT: Any = object()
 """What a read builds for a leaf that only other ranks hold (left out of its container)."""
 
@@ -59,14 +62,9 @@ class _Planner:
     # -- leaves ------------------------------------------------------------------------------
 
     def _tensor_into(self, tmpl: Any, key: str) -> Realize:
-        if self.m.find_tensor(key, self.rank) is None:
-            if self.m.find_value(key, self.rank) is not None:
-                self.problems.append((key, "the state holds a tensor, the snapshot a plain value"))
-            else:
-                self.missing.append(key)
-        else:
-            self.targets.tensors.append(leaf_item(key, tmpl))
-        return lambda _d: tmpl
+        # Whether the snapshot holds this tensor is checked by rank_load.match, with the rest.
+        self.targets.tensors.append(leaf_item(key, tmpl))
+        return _SAME
 
     def _created_tensor(self, t: int, key: str) -> Realize:
         shape = self.m.tensor_shapes[t]
@@ -101,15 +99,15 @@ class _Planner:
     # -- nodes -------------------------------------------------------------------------------
 
     def node(self, tmpl: Any, saved: Any, key: str) -> Realize:
-        if is_stateful(tmpl):
-            return self._stateful(tmpl, saved, key)
         if isinstance(tmpl, torch.Tensor | Sharded):
             if saved is None or tree.kind(saved) == "leaf":
                 return self._tensor_into(tmpl, key)
             self.problems.append(
                 (key, f"the state holds a tensor, the snapshot a {tree.name(tree.kind(saved))}")
             )
-            return lambda _d: tmpl
+            return _SAME
+        if is_stateful(tmpl):
+            return self._stateful(tmpl, saved, key)
         if saved is None:
             self.missing.append(key)
             return lambda _d: tmpl
@@ -145,15 +143,19 @@ class _Planner:
         for k in given:
             if (type(k), k) not in saved_keys:
                 self.missing.append(tree.join(key, k) if tree.is_key(k) else f"{key}.{k!r}")
-        children = [
-            (k, self.node(given.get(k) if k in given else None, c, tree.join(key, k)))
-            for k, c in pairs
-        ]
+        children = []
+        for k, c in pairs:
+            old = given.get(k) if k in given else None
+            children.append((k, old, self.node(old, c, tree.join(key, k))))
         wanted = OrderedDict if kind == "o" else dict
         in_place = isinstance(tmpl, MutableMapping) and type(tmpl) is wanted
 
         def realize(decoded: dict[str, Any]) -> Any:
-            built = [(k, v) for k, build in children if (v := build(decoded)) is not _ABSENT]
+            built = [
+                (k, v)
+                for k, old, build in children
+                if (v := _built(build, old, decoded)) is not _ABSENT
+            ]
             if not in_place:
                 return wanted(built)
             if list(tmpl) == [k for k, _ in built]:
@@ -174,14 +176,18 @@ class _Planner:
             self.problems.append(
                 (key, f"the state holds {len(given)} items, the snapshot {len(body)}")
             )
+        olds = [given[i] if i < len(given) else None for i in range(len(body))]
         children = [
-            self.node(given[i] if i < len(given) else None, c, tree.join(key, i))
-            for i, c in enumerate(body)
+            (old, self.node(old, c, tree.join(key, i)))
+            for i, (old, c) in enumerate(zip(olds, body, strict=True))
         ]
         in_place = kind == "l" and type(tmpl) is list
 
         def realize(decoded: dict[str, Any]) -> Any:
-            built = [None if (v := build(decoded)) is _ABSENT else v for build in children]
+            built = [
+                None if (v := _built(build, old, decoded)) is _ABSENT else v
+                for old, build in children
+            ]
             if kind == "t":
                 return tuple(built)
             if not in_place:
@@ -190,6 +196,10 @@ class _Planner:
             return tmpl
 
         return realize
+
+
+def _built(build: Any, old: Any, decoded: dict[str, Any]) -> Any:
+    return old if build is _SAME else build(decoded)
 
 
 def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> Targets:
@@ -206,16 +216,21 @@ def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> 
                 f"{type(state).__name__}.state_dict() returned {type(root_obj).__name__}, "
                 "not a mapping"
             )
+    saved = tree.children(manifest.tree)
     builds = [
-        (k, planner.node(v, tree.child(manifest.tree, k), tree.join("", k)))
+        (k, planner.node(v, saved.get((type(k).__name__, k)), _top_key(k)))
         for k, v in root_obj.items()
     ]
-    if not same_world:
-        refuse_rank_bound(manifest, [k for k in planner.missing if rank_scoped(manifest, k)])
+    if not same_world:  # per-rank entries, whether this rank has its own or not
+        asked = [t.key for t in planner.targets.tensors] + [v.key for v in planner.targets.values]
+        bound = dict.fromkeys(k for k in asked + planner.missing if rank_scoped(manifest, k))
+        refuse_rank_bound(manifest, list(bound))
     _raise_unfit(manifest, planner)
 
     def assign(decoded: dict[str, Any]) -> None:
         for k, build in builds:
+            if build is _SAME:
+                continue  # a tensor, filled in place
             new = build(decoded)
             if root_obj[k] is not new:
                 root_obj[k] = new
@@ -226,6 +241,15 @@ def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> 
     out.assign = assign
     out.finishers = planner.stateful
     return out
+
+
+def _top_key(key: Any) -> str:
+    if not tree.is_key(key):
+        raise InvalidArgumentError(
+            f"state key {key!r} is a {type(key).__name__}; keys must be str, int, float, bool "
+            "or None"
+        )
+    return tree.join("", key)
 
 
 def _raise_unfit(manifest: Manifest, planner: _Planner) -> None:

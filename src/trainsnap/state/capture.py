@@ -14,6 +14,7 @@ back through ``load_state_dict``.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -147,6 +148,8 @@ def _has_tensor(obj: object) -> bool:
 
 
 def _join(prefix: str, key: object) -> str:
+    if type(key) is str and key:  # the common case, first: this runs for every entry
+        return f"{prefix}.{key}" if prefix else key
     if not tree_mod.is_key(key):
         raise InvalidArgumentError(
             f"state key {key!r} under {prefix or 'the root'!r} is a {type(key).__name__}; "
@@ -294,7 +297,7 @@ def _walk_mapping(
     pairs = [
         (k, _walk(v, _join(key, k), visit, manifest, k, finishers)) for k, v in manifest.items()
     ]
-    return tree_mod.mapping(tree_mod.container_kind(manifest), pairs)
+    return {"o" if isinstance(manifest, OrderedDict) else "d": pairs}
 
 
 def _check_root(state: object) -> None:
