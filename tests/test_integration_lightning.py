@@ -1,0 +1,114 @@
+"""Lightning through its own extension point: a real ``Trainer`` with 2 DDP processes on CPU,
+``ModelCheckpoint(save_top_k=2, save_last=True)`` writing through ``TrainsnapCheckpointIO``,
+killed after a save and resumed with ``fit(ckpt_path="last")``: bitwise the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import trainsnap as ts
+from trainsnap.testing import assert_all_ok, run_ranks
+
+EPOCHS = 4
+
+
+def _fit(rank: int, world: int, workdir: str, kill_at_epoch: int | None, resume: bool) -> Any:
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainsnap.integrations.lightning import TrainsnapCheckpointIO
+
+    class Module(lightning.LightningModule):
+        def __init__(self, lr: float = 0.05):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+            )
+
+        def training_step(self, batch, _idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+    class Kill(lightning.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == kill_at_epoch:  # after the previous epoch's checkpoint
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    torch.manual_seed(0)
+    module = Module()
+    checkpoints = ModelCheckpoint(
+        dirpath=os.path.join(workdir, "ckpt"), monitor="loss", save_top_k=2, save_last=True
+    )
+    trainer = lightning.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=workdir,
+        plugins=[TrainsnapCheckpointIO(os.path.join(workdir, "snapshots"))],
+        callbacks=[checkpoints, Kill()],
+    )
+    trainer.fit(module, loader, ckpt_path="last" if resume else None)
+    opt = trainer.optimizers[0]
+    moments = {f"{i}.{k}": v.clone() for i, s in opt.state.items() for k, v in s.items()}
+    return {
+        "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "moments": moments,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+    }
+
+
+def _run(workdir: Path, kill_at_epoch: int | None = None, resume: bool = False) -> list[Any]:
+    results = run_ranks(_fit, 2, args=(str(workdir), kill_at_epoch, resume), timeout=150)
+    if kill_at_epoch is not None:
+        assert all(r.killed for r in results), results
+        return []
+    return assert_all_ok(results)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddp_killed_after_a_save_resumes_bitwise_and_removed_checkpoints_leave_nothing(tmp_path):
+    (straight, _) = _run(tmp_path / "straight")
+    _run(tmp_path / "resumed", kill_at_epoch=2)
+    pointers = sorted(p.name for p in (tmp_path / "resumed" / "ckpt").glob("*.ckpt"))
+    assert "last.ckpt" in pointers, pointers
+    last = json.loads((tmp_path / "resumed" / "ckpt" / "last.ckpt").read_text())
+    assert last["format"] == "trainsnap.pointer" and last["step"] == 8  # 2 epochs of 4 steps
+    resumed = _run(tmp_path / "resumed", resume=True)
+    for rank in resumed:
+        assert rank["global_step"] == straight["global_step"] == EPOCHS * 4
+        assert _same(rank["weights"], straight["weights"])
+        assert _same(rank["moments"], straight["moments"])
+    # Top-2 + last: every pointer names a committed snapshot and no removed one left a snapshot.
+    root = tmp_path / "resumed" / "snapshots"
+    live = {
+        json.loads(p.read_text())["snapshot"]
+        for p in (tmp_path / "resumed" / "ckpt").glob("*.ckpt")
+    }
+    assert len(live) == 3
+    assert {s.id for s in ts.list_snapshots(root)} == live
+    assert ts.verify(root).ok
