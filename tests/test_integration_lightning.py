@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import trainsnap as ts
@@ -112,3 +113,62 @@ def test_ddp_killed_after_a_save_resumes_bitwise_and_removed_checkpoints_leave_n
     assert len(live) == 3
     assert {s.id for s in ts.list_snapshots(root)} == live
     assert ts.verify(root).ok
+
+
+def test_async_saves_point_after_their_commit_and_load_from_checkpoint_rebuilds_the_module(
+    tmp_path,
+):
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainsnap.integrations.lightning import TrainsnapCheckpointIO, load_from_checkpoint
+
+    torch.manual_seed(0)
+    module = Tiny(width=3)
+    io = TrainsnapCheckpointIO(tmp_path / "root", async_save=True)
+    trainer = lightning.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=1, monitor="loss")],
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    (best,) = (tmp_path / "ckpt").glob("*.ckpt")  # top-1: the others were removed
+    assert len(ts.list_snapshots(tmp_path / "root")) == 1
+    back = load_from_checkpoint(Tiny, best)
+    assert back.hparams.width == 3
+    assert all(
+        torch.equal(a, b) for a, b in zip(back.parameters(), module.parameters(), strict=True)
+    )
+    (tmp_path / "torch.ckpt").write_bytes(b"PK\x03\x04 not a pointer")
+    with pytest.raises(ts.IncompatibleError, match="not a trainsnap checkpoint pointer"):
+        io.load_checkpoint(tmp_path / "torch.ckpt")
+
+
+def _tiny_class() -> Any:
+    import lightning
+
+    class Tiny(lightning.LightningModule):
+        def __init__(self, width: int = 2):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, _idx):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.log("loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny
+
+
+Tiny = _tiny_class()
