@@ -13,7 +13,9 @@ onto the least-loaded holder (a heap per holder group with lazy updates), O(n lo
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 import pickle
 from collections import defaultdict
 from collections.abc import Sequence
@@ -48,6 +50,12 @@ class RankMeta:
     """Set when this rank could not even describe its state; the save is refused everywhere."""
     tree: Any = None
     """The structure of this rank's state (:mod:`trainsnap.format.tree`)."""
+    layout: bytes = b""
+    """Digest of this rank's layout: entries (keys, dtypes, shapes, regions, sizes, replica
+    digests), value keys and codecs, and the tree."""
+    cached: bool = False
+    """True when ``groups`` and ``tree`` were left out: the layout is the one this rank sent
+    last, which the coordinator's :class:`PlanCache` holds."""
 
     @staticmethod
     def pack(
@@ -133,20 +141,113 @@ class _Unique:
         raise KeyError(rank)
 
 
+@dataclass(slots=True)
+class PlanCache:
+    """The coordinator's last full plan, reused while no rank's layout changes: a training
+    job's layout is the same from one save to the next, only the bytes change."""
+
+    layouts: list[bytes]
+    metas: list[RankMeta]
+    plan: SavePlan
+    entries: list[list[tuple[int, int]]]
+    """Each rank's tensor assignment in that plan."""
+    loads: list[int]
+    """Tensor bytes per rank in that plan (values are assigned afresh every save)."""
+
+
+def layout_digest(meta: RankMeta) -> bytes:
+    """The digest of a rank's layout (everything the plan is made from but the values'
+    contents): equal digests mean the same plan."""
+    h = hashlib.blake2b(digest_size=16)
+    for group, blob in meta.groups:
+        h.update(group.encode())
+        h.update(len(blob).to_bytes(8, "little"))
+        h.update(blob)
+    h.update(json.dumps([[key, codec] for key, codec, _d, _n in meta.values]).encode())
+    h.update(json.dumps(meta.tree).encode())
+    return h.digest()
+
+
 def plan_save(metas: list[RankMeta], snapshot_id: str) -> SavePlan:
     """Decide who writes what, or refuse with every reason found."""
+    return plan_cached(metas, snapshot_id, None)[0]
+
+
+def plan_cached(
+    metas: list[RankMeta], snapshot_id: str, cache: PlanCache | None
+) -> tuple[SavePlan, PlanCache | None]:
+    """Decide who writes what, or refuse with every reason found; with ``cache`` (the last
+    full plan), ranks whose layout did not change sent only a digest, and when no rank's
+    changed the plan is reused: only the values are assigned anew. Returns the plan and the
+    cache to keep (None after a refusal)."""
     world = len(metas)
     problems = [f"rank {m.rank}: {m.error}" for m in metas if m.error]
     if problems:
-        return _refuse(world, problems)
+        return _refuse(world, problems), None
     steps = {m.step for m in metas}
     if len(steps) > 1:
         by_step: dict[int, list[int]] = defaultdict(list)
         for m in metas:
             by_step[m.step].append(m.rank)
         shown = "; ".join(f"step {s} on ranks {_ranks(r)}" for s, r in sorted(by_step.items()))
-        return _refuse(world, [f"ranks disagree on the step: {shown}"])
+        return _refuse(world, [f"ranks disagree on the step: {shown}"]), None
+    usable = cache is not None and len(cache.layouts) == world
+    unknown = [
+        m.rank
+        for m in metas
+        if m.cached and not (usable and cache is not None and cache.layouts[m.rank] == m.layout)
+    ]
+    if unknown:
+        return _refuse(
+            world,
+            [
+                f"ranks {_ranks(unknown)} sent the digest of a layout the coordinator does not "
+                "hold (it restarted?); the next save sends every layout in full"
+            ],
+        ), None
+    if usable and cache is not None and [m.layout for m in metas] == cache.layouts:
+        return _reuse(metas, snapshot_id, cache), cache
+    if cache is not None:  # some ranks changed: the others' layouts come from the cache
+        metas = [_in_full(m, cache.metas[m.rank]) if m.cached else m for m in metas]
+    plan = _plan_full(metas, snapshot_id, world)
+    if plan.problems:
+        return plan, None
+    fresh = PlanCache(
+        [m.layout for m in metas],
+        metas,
+        plan,
+        [list(a.entries) for a in plan.assignments],
+        _tensor_loads(plan, metas),
+    )
+    return plan, fresh
 
+
+def _tensor_loads(plan: SavePlan, metas: list[RankMeta]) -> list[int]:
+    loads = list(plan.bytes_per_rank)
+    for rank, a in enumerate(plan.assignments):
+        values = metas[rank].values
+        loads[rank] -= sum(values[i][3] for i, _ in a.values)
+    return loads
+
+
+def _in_full(meta: RankMeta, known: RankMeta) -> RankMeta:
+    """A rank's description with the entries and tree of its known (same) layout."""
+    return RankMeta(
+        meta.rank, meta.step, known.groups, meta.values, tree=known.tree, layout=meta.layout
+    )
+
+
+def _reuse(metas: list[RankMeta], snapshot_id: str, cache: PlanCache) -> SavePlan:
+    """The cached plan under a new id, with this save's values assigned."""
+    full = [_in_full(m, old) for m, old in zip(metas, cache.metas, strict=True)]
+    assignments = [Assignment(snapshot_id=snapshot_id, entries=list(e)) for e in cache.entries]
+    loads = list(cache.loads)
+    _assign_values(full, loads, assignments)
+    p = cache.plan
+    return SavePlan(assignments, loads, p.tensors, p.decoded, full, p.tree)
+
+
+def _plan_full(metas: list[RankMeta], snapshot_id: str, world: int) -> SavePlan:
     merged: Any = None
     for m in metas:
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,15 @@ from trainsnap.protocol import commit
 from trainsnap.protocol.assemble import assemble
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 from trainsnap.protocol.outcome import Outcome, describe_error
-from trainsnap.protocol.planner import Assignment, RankMeta, SavePlan, plan_local, plan_save
+from trainsnap.protocol.planner import (
+    Assignment,
+    PlanCache,
+    RankMeta,
+    SavePlan,
+    layout_digest,
+    plan_cached,
+    plan_local,
+)
 from trainsnap.protocol.rank_save import Local, SaveRequest, WriteReport, describe, write_assigned
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
@@ -132,7 +141,7 @@ def _agree(
     with trace.span("capture", step=opts.step):
         try:
             local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
-            meta = local.meta(comm.rank, opts.step) if comm.world_size > 1 else None
+            meta = _rank_meta(local, storage, comm, opts.step) if comm.world_size > 1 else None
             mesh = local.captured.mesh
         except TrainsnapError as e:
             if comm.world_size == 1:
@@ -165,19 +174,64 @@ def _agree(
         if comm.is_coordinator:
             assert metas is not None
             try:
-                plan = plan_save(metas, sid)
+                plan = _coordinator_plan(metas, sid, storage, comm)
             except Exception as e:  # a planner bug must not leave the other ranks waiting
                 log.exception("planning snapshot %s failed", sid)
                 why = [f"planner: {describe_error(e)}"]
                 plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
             assignments = plan.assignments
+            if plan.metas:
+                metas = plan.metas  # in full, where ranks sent only a digest
         assignment: Assignment = session.scatter("plan", assignments)
+    channel = _channel(storage, comm, comm.rank)
     if assignment.problems:
+        _SENT.pop(channel, None)  # the next save sends the layout in full
         raise _refusal(assignment.problems)
-    assert local is not None
+    assert local is not None and meta is not None
+    _SENT[channel] = meta.layout
     return PendingSave(
         storage, opts, comm, session, hasher, local, assignment, metas, plan, mesh, t0
     )
+
+
+# -- cached plans ---------------------------------------------------------------------------------
+
+_SENT: dict[tuple[str, int, int, int], bytes] = {}
+"""The layout each rank last had accepted, by channel (root, world size, coordinator, rank)."""
+_PLANS: OrderedDict[tuple[str, int, int, int], PlanCache] = OrderedDict()
+"""The coordinator's last full plan per channel (a few roots at most)."""
+_MAX_PLANS = 4
+PLAN_COUNTS = {"full": 0, "reused": 0, "digests_received": 0}
+"""How the coordinator planned (for tests and benchmarks)."""
+
+
+def _channel(storage: Storage, comm: Comm, rank: int) -> tuple[str, int, int, int]:
+    return (storage.url, comm.world_size, comm.coordinator, rank)
+
+
+def _rank_meta(local: Local, storage: Storage, comm: Comm, step: int) -> RankMeta:
+    """This rank's description; only a digest of it when its layout is the one it last sent."""
+    meta = local.meta(comm.rank, step)
+    meta.layout = layout_digest(meta)
+    if _SENT.get(_channel(storage, comm, comm.rank)) == meta.layout:
+        return RankMeta(comm.rank, step, [], meta.values, layout=meta.layout, cached=True)
+    return meta
+
+
+def _coordinator_plan(metas: list[RankMeta], sid: str, storage: Storage, comm: Comm) -> SavePlan:
+    channel = _channel(storage, comm, -1)
+    cache = _PLANS.get(channel)
+    plan, kept = plan_cached(metas, sid, cache)
+    PLAN_COUNTS["digests_received"] += sum(m.cached for m in metas)
+    if kept is None:
+        _PLANS.pop(channel, None)
+    else:
+        PLAN_COUNTS["reused" if kept is cache else "full"] += 1
+        _PLANS[channel] = kept
+        _PLANS.move_to_end(channel)
+        while len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    return plan
 
 
 def _stage(pending: PendingSave, pool: StagingPool) -> Lease | None:
