@@ -5,6 +5,8 @@ bf16 parameters, TP-sharded, replicated over DP; fp32 Adam moments held ZeRO-1 s
 rank owning whole TP-local parameters) are planned (``plan_save``), every rank's write report is
 simulated, and the manifest is assembled, encoded and decoded. Targets: the plan in under 10 s,
 the manifest decoded in under 1 s, the busiest writer within 10% of the mean plus one shard.
+The next save of the same layout is planned from the cache: each rank sends a digest (under
+1 KiB), the coordinator takes in under 16 MiB and plans in under 0.5 s.
 
 This is also part 3 of ``benchmarks.distributed``.
 
@@ -33,10 +35,22 @@ from trainsnap.format.layout import layout_objects
 from trainsnap.format.regions import Box
 from trainsnap.protocol import commit
 from trainsnap.protocol.assemble import assemble
-from trainsnap.protocol.planner import Entry, RankMeta, SavePlan, Value, plan_save
+from trainsnap.protocol.planner import (
+    Entry,
+    PlanCache,
+    RankMeta,
+    SavePlan,
+    Value,
+    layout_digest,
+    plan_cached,
+    plan_save,
+)
 from trainsnap.protocol.rank_save import SaveRequest, WriteReport
 
 PLAN_TARGET = Target("<", 10.0)  # seconds
+CACHED_PLAN_TARGET = Target("<", 0.5)  # seconds
+CACHED_SEND_TARGET = Target("<", 1024)  # bytes per rank
+CACHED_INGEST_TARGET = Target("<", 16 * 2**20)  # bytes into the coordinator
 DECODE_TARGET = Target("<", 1.0)  # seconds
 BALANCE_SLACK = 0.10  # the busiest writer within 10% of the mean plus one shard
 SMOKE = {"tp": 2, "pp": 2, "dp": 4, "params_per_stage": 20}
@@ -228,6 +242,7 @@ def _plan_and_assemble(
     encode_s, data = timed(lambda: encoding.encode(manifest))
     decode_s, decoded = timed(lambda: encoding.decode(data))
     print(f"  manifest {len(data) / MiB:.1f} MiB, encode {encode_s:.2f} s, decode {decode_s:.2f} s")
+    cached = _cached_save(metas, plan)
     written, expect = sum(plan.bytes_per_rank), expected_bytes(world, hasher)
     if written != expect:
         raise AssertionError(f"the plan writes {written} bytes, the state holds {expect}")
@@ -246,6 +261,40 @@ def _plan_and_assemble(
         "decode_s": decode_s,
         "manifest_bytes": len(data),
         "balance": _balance(plan, flats),
+        **cached,
+    }
+
+
+def _cached_save(metas: list[RankMeta], plan: SavePlan) -> dict[str, Any]:
+    """The next save of the same layout: what each rank sends (the pickled description, as
+    the control plane sends it) in full and as a digest, and the coordinator's planning."""
+    import pickle
+
+    for m in metas:
+        m.layout = layout_digest(m)
+    cache = PlanCache(
+        [m.layout for m in metas],
+        metas,
+        plan,
+        [list(a.entries) for a in plan.assignments],
+        list(plan.bytes_per_rank),
+    )
+    digests = [RankMeta(m.rank, m.step, [], m.values, layout=m.layout, cached=True) for m in metas]
+    full_sizes = sorted(len(pickle.dumps(m)) for m in metas)
+    sizes = sorted(len(pickle.dumps(m)) for m in digests)
+    sid = commit.new_snapshot_id(101)
+    cached_s, (again, kept) = timed(lambda: plan_cached(digests, sid, cache))
+    if kept is not cache or again.problems:
+        raise AssertionError("the cached plan was not reused")
+    if [a.entries for a in again.assignments] != [a.entries for a in plan.assignments]:
+        raise AssertionError("the cached plan assigns other writers")
+    print(f"  cached plan {cached_s:.3f} s, {sizes[-1]} bytes sent per rank at most")
+    return {
+        "full_send_bytes_median": full_sizes[len(full_sizes) // 2],
+        "full_ingest_bytes": sum(full_sizes),
+        "cached_send_bytes_max": sizes[-1],
+        "cached_ingest_bytes": sum(sizes),
+        "cached_plan_s": cached_s,
     }
 
 
@@ -287,12 +336,15 @@ def checks(sim: dict[str, Any]) -> list[Check]:
             balance["max"] / balance["bound"],
             Target("<=", 1.0),
         ),
+        Check(f"{ranks} cached plan (s)", sim["cached_plan_s"], CACHED_PLAN_TARGET),
+        Check("cached save: bytes sent per rank", sim["cached_send_bytes_max"], CACHED_SEND_TARGET),
+        Check("cached save: coordinator ingest", sim["cached_ingest_bytes"], CACHED_INGEST_TARGET),
     ]
 
 
 def _steps(sim: dict[str, Any], verdict: list[Check]) -> list[list[object]]:
     balance = sim["balance"]
-    plan, decode, even = verdict
+    plan, decode, even, cached, send, ingest = verdict
     shown = f"<= {1 + BALANCE_SLACK:g} x mean + 1 shard = {balance['bound'] / MiB:.1f} MiB"
     return [
         [
@@ -322,6 +374,30 @@ def _steps(sim: dict[str, Any], verdict: list[Check]) -> list[list[object]]:
             "-",
         ],
         ["largest single shard", f"{balance['largest_shard'] / MiB:.1f} MiB", "-", "-"],
+        [
+            "first save: bytes sent per rank (median), ingest",
+            f"{sim['full_send_bytes_median']:,} B, {sim['full_ingest_bytes'] / MiB:.1f} MiB",
+            "-",
+            "-",
+        ],
+        [
+            "cached save: plan",
+            f"{sim['cached_plan_s']:.3f} s",
+            f"{CACHED_PLAN_TARGET} s",
+            cached.result,
+        ],
+        [
+            "cached save: bytes sent per rank (max)",
+            f"{sim['cached_send_bytes_max']:,} B",
+            f"{CACHED_SEND_TARGET} B",
+            send.result,
+        ],
+        [
+            "cached save: coordinator ingest",
+            f"{sim['cached_ingest_bytes'] / MiB:.2f} MiB",
+            "< 16 MiB",
+            ingest.result,
+        ],
     ]
 
 

@@ -125,7 +125,9 @@ def test_planner_sim(tmp_path: Path) -> None:
     assert sim["world"] == 16 and sim["bytes_written"] == sim["bytes_expected"] > 0
     assert sim["objects"] > 0 and sim["manifest_bytes"] > 0
     assert_verdicts(text, ["16-rank plan_save (s)", "16-rank manifest decode (s)"])
-    assert [check["label"] for check in out["checks"]][-1].startswith("writer balance")
+    labels = [check["label"] for check in out["checks"]]
+    assert labels[2].startswith("writer balance") and "16-rank cached plan (s)" in labels
+    assert sim["cached_send_bytes_max"] < 1024 < sim["full_send_bytes_median"]
 
 
 def _assert_compression(out: dict[str, Any]) -> None:
