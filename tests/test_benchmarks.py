@@ -163,3 +163,11 @@ def test_no_sys_path() -> None:
     sources = sorted((REPO / "benchmarks").rglob("*.py"))
     assert len(sources) > 10
     assert [p.name for p in sources if "sys.path" in p.read_text()] == []
+
+
+def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
+    text, out = run_benchmark("gpu_check", tmp_path)  # --smoke is the CPU dry run
+    assert out["dry_run"] and out["device"] == "cpu"
+    assert out["resume"]["losses_equal"] and out["resume"]["level"] == "strict"
+    assert out["collective"] == {"backend": "gloo", "world": 2, "bitwise": True}
+    assert "== GPU check (CPU dry run)" in text and out["pause"]["pause_s"] > 0
