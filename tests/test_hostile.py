@@ -4,11 +4,20 @@ TrainsnapError kind (the CLI: one line, no traceback) and touch nothing outside 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import resource
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Final
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,7 +25,7 @@ import torch
 
 import trainsnap as ts
 from trainsnap.format import encoding, validation
-from trainsnap.format.manifest import Manifest
+from trainsnap.format.manifest import Manifest, object_key
 from trainsnap.manager import collection
 from trainsnap.protocol import commit
 from trainsnap.storage import PosixStorage, open_storage
@@ -60,16 +69,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _every_reader_refuses(root: Path, sid: str) -> None:
-    """ts.load, ts.verify and the CLI answer with TrainsnapError kinds, never a crash."""
+    """ts.load, ts.verify and the CLI answer with TrainsnapError kinds, never a crash (the CLI
+    in processes of its own: see _run_tools)."""
     with pytest.raises(ts.TrainsnapError):
         ts.load(_destination(), root, snapshot=sid)
     with pytest.raises(ts.TrainsnapError):
         ts.verify(root)
-    for args in (("verify", str(root)), ("show", str(root), sid), ("gc", str(root), "--dry-run")):
-        out = _cli(*args)
-        assert out.returncode in (0, 1, 2), (args, out.returncode, out.stderr[-2000:])
-        assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr[-2000:])
-    assert _cli("verify", str(root)).returncode != 0
+    tools = ("verify", "show", "gc --dry-run")
+    jobs = [{"attack": None, "tool": tool, "root": str(root), "snapshot": sid} for tool in tools]
+    answers = _run_tools(jobs)
+    assert [_verdict(answer) for answer in answers] == ["error", "error", "error"]
 
 
 def _set_column(name: str, values: list[int]) -> Callable[[Manifest], None]:
@@ -110,23 +119,29 @@ def test_chunk_bounds_that_wrap_are_corrupt(tmp_path: Path) -> None:
     _every_reader_refuses(tmp_path, sid)
 
 
-def test_a_value_chunk_of_2_63_bytes_is_corrupt_not_a_memory_error(tmp_path: Path) -> None:
-    def mutate(manifest: Manifest) -> None:
-        last = len(manifest.chunk_length) - 1  # values come after the shards' chunks
-        manifest.chunk_offset[last], manifest.chunk_length[last] = 1, BIG
+def _value_chunk_of_2_63_bytes(manifest: Manifest) -> None:
+    last = len(manifest.chunk_length) - 1  # values come after the shards' chunks
+    manifest.chunk_offset[last], manifest.chunk_length[last] = 1, BIG
 
-    sid = _hostile_root(tmp_path, mutate)
+
+def test_a_value_chunk_of_2_63_bytes_is_corrupt_not_a_memory_error(tmp_path: Path) -> None:
+    sid = _hostile_root(tmp_path, _value_chunk_of_2_63_bytes)
     _every_reader_refuses(tmp_path, sid)
+
+
+def _wrapping_chunk_counts(manifest: Manifest) -> None:
+    counts = manifest.shard_nchunks  # BIG + BIG wraps to -2: the total stays right
+    counts[:] = [BIG, BIG, int(counts.sum()) + 2]
+    manifest._derived.clear()
 
 
 def test_wrapped_chunk_counts_are_corrupt_not_an_index_error(tmp_path: Path) -> None:
-    def mutate(manifest: Manifest) -> None:  # BIG + BIG wraps to -2: the total stays right
-        counts = manifest.shard_nchunks
-        counts[:] = [BIG, BIG, int(counts.sum()) + 2]
-        manifest._derived.clear()
-
-    sid = _hostile_root(tmp_path, mutate)
+    sid = _hostile_root(tmp_path, _wrapping_chunk_counts)
     _every_reader_refuses(tmp_path, sid)
+
+
+def _million_dimensions(manifest: Manifest) -> None:
+    manifest.tensor_shapes[0] = (1,) * 1_000_000
 
 
 def test_a_tensor_of_a_million_dimensions_is_refused_before_any_allocation(
@@ -134,20 +149,17 @@ def test_a_tensor_of_a_million_dimensions_is_refused_before_any_allocation(
 ) -> None:
     """Finding 8: validation built a tensors x max-rank matrix; one tensor with 10^6 dimensions
     would ask for gigabytes."""
-
-    def mutate(manifest: Manifest) -> None:
-        manifest.tensor_shapes[0] = (1,) * 1_000_000
-
-    sid = _hostile_root(tmp_path, mutate)
+    sid = _hostile_root(tmp_path, _million_dimensions)
     with pytest.raises(ts.CorruptError, match="dimensions"):
         commit.open_snapshot(open_storage(tmp_path), sid)
 
 
-def test_a_tensor_larger_than_2_58_elements_is_corrupt(tmp_path: Path) -> None:
-    def mutate(manifest: Manifest) -> None:
-        manifest.tensor_shapes[0] = (2**40, 2**40)
+def _elements_beyond_2_58(manifest: Manifest) -> None:
+    manifest.tensor_shapes[0] = (2**40, 2**40)
 
-    sid = _hostile_root(tmp_path, mutate)
+
+def test_a_tensor_larger_than_2_58_elements_is_corrupt(tmp_path: Path) -> None:
+    sid = _hostile_root(tmp_path, _elements_beyond_2_58)
     with pytest.raises(ts.CorruptError, match="larger than"):
         commit.open_snapshot(open_storage(tmp_path), sid)
 
@@ -182,14 +194,28 @@ def _canaries(outside: Path) -> dict[str, str]:
     }
 
 
+def _an_object_of(root: Path, sid: str) -> Path:
+    """The file of one object snapshot ``sid`` references (another snapshot may share the
+    root)."""
+    manifest = commit.open_snapshot(open_storage(root), sid)
+    return root / object_key(manifest.object_names[0])
+
+
+def _objects_directory_linked_out(root: Path) -> str:
+    """ROOT/objects a link to a directory of canaries beside the root."""
+    outside = _outside(root.parent)
+    sid = ts.save(_state(), root, step=1).id
+    real_objects = root / "objects"
+    real_objects.rename(root.parent / "moved-objects")
+    real_objects.symlink_to(outside, target_is_directory=True)
+    return sid
+
+
 def test_gc_never_deletes_through_a_symlinked_objects_directory(tmp_path: Path) -> None:
     """Finding 3: with ROOT/objects a link to another directory, gc deleted every unreferenced
     file under that directory."""
-    root, outside = tmp_path / "root", _outside(tmp_path)
-    ts.save(_state(), root, step=1)
-    real_objects = root / "objects"
-    real_objects.rename(tmp_path / "moved-objects")
-    real_objects.symlink_to(outside, target_is_directory=True)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    _objects_directory_linked_out(root)
     before = _canaries(outside)
     out = _cli("gc", str(root))
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -197,15 +223,22 @@ def test_gc_never_deletes_through_a_symlinked_objects_directory(tmp_path: Path) 
     assert _canaries(outside) == before
 
 
-def test_an_object_that_is_a_symlink_out_of_the_root_is_never_read(tmp_path: Path) -> None:
-    """Finding 6: an object file linked to a file outside was read (verify printed the size of
-    /etc/passwd) and loaded."""
-    root, outside = tmp_path / "root", _outside(tmp_path)
+def _object_linked_out(root: Path) -> str:
+    """An object file replaced by a link to a copy of its bytes beside the root."""
+    outside = _outside(root.parent)
     sid = ts.save(_state(), root, step=1).id
-    victim = next(p for p in (root / "objects").rglob("*") if p.is_file())
+    victim = _an_object_of(root, sid)
     (outside / "copy").write_bytes(victim.read_bytes())  # the same bytes: only the link differs
     victim.unlink()
     victim.symlink_to(outside / "copy")
+    return sid
+
+
+def test_an_object_that_is_a_symlink_out_of_the_root_is_never_read(tmp_path: Path) -> None:
+    """Finding 6: an object file linked to a file outside was read (verify printed the size of
+    /etc/passwd) and loaded."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    sid = _object_linked_out(root)
     with pytest.raises(ts.CorruptError, match="not a regular file"):
         ts.load(_destination(), root, snapshot=sid)
     with pytest.raises(ts.CorruptError, match="not a regular file"):
@@ -213,26 +246,41 @@ def test_an_object_that_is_a_symlink_out_of_the_root_is_never_read(tmp_path: Pat
     assert (outside / "copy").exists()
 
 
-def test_a_snapshot_directory_linked_out_of_the_root_is_not_listed(tmp_path: Path) -> None:
-    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
-    first = ts.save(_state(), root, step=1).id
-    second = ts.save(_state(), root, step=2).id
+def _snapshot_directory_linked_out(root: Path) -> str:
+    """The newer of two snapshots' directory moved beside the root, a link left in its place."""
+    _, second = _two_snapshots(root)
+    elsewhere = root.parent / "elsewhere"
     (root / "snapshots" / second).rename(elsewhere)
     (root / "snapshots" / second).symlink_to(elsewhere, target_is_directory=True)
+    return second
+
+
+def test_a_snapshot_directory_linked_out_of_the_root_is_not_listed(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    second = _snapshot_directory_linked_out(root)
+    first = _other_snapshot(root, second)
     assert [s.id for s in ts.list_snapshots(root)] == [first]
     assert ts.load(_destination(), root).id == first
     with pytest.raises(ts.TrainsnapError):  # named explicitly, it is still not read
         ts.load(_destination(), root, snapshot=second)
 
 
-def test_a_planted_symlink_directory_cannot_make_a_save_write_outside(tmp_path: Path) -> None:
-    """Object names are predictable: a link planted at objects/<h2> must not redirect writes."""
-    root, outside = tmp_path / "root", _outside(tmp_path)
-    probe = tmp_path / "probe"
+def _planted_object_links(root: Path) -> str:
+    """Links to a directory of canaries planted at each objects/<h2> a save of ``_state()``
+    writes to (object names are predictable); the save is refused, so no snapshot is left."""
+    outside = _outside(root.parent)
+    probe = root.parent / "probe"
     ts.save(_state(), probe, step=1)
     for directory in (probe / "objects").iterdir():
         (root / "objects").mkdir(parents=True, exist_ok=True)
         (root / "objects" / directory.name).symlink_to(outside, target_is_directory=True)
+    return "latest"
+
+
+def test_a_planted_symlink_directory_cannot_make_a_save_write_outside(tmp_path: Path) -> None:
+    """Object names are predictable: a link planted at objects/<h2> must not redirect writes."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    _planted_object_links(root)
     before = _canaries(outside)
     with pytest.raises((ts.TrainsnapError, OSError)):
         ts.save(_state(), root, step=1)
@@ -240,18 +288,28 @@ def test_a_planted_symlink_directory_cannot_make_a_save_write_outside(tmp_path: 
     assert ts.list_snapshots(root) == []
 
 
+def _object_replaced_by(kind: str) -> Callable[[Path], str]:
+    """A builder: an object file replaced by a FIFO (``"fifo"``) or a directory."""
+
+    def build(root: Path) -> str:
+        sid = ts.save(_state(), root, step=1).id
+        victim = _an_object_of(root, sid)
+        victim.unlink()
+        if kind == "fifo":
+            os.mkfifo(victim)
+        else:
+            victim.mkdir()
+        return sid
+
+    return build
+
+
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_fifo_or_directory_where_an_object_should_be_is_corrupt(
     tmp_path: Path, kind: str
 ) -> None:
     """Finding 12: a FIFO hung ts.load; a directory gave a raw IsADirectoryError."""
-    sid = ts.save(_state(), tmp_path, step=1).id
-    victim = next(p for p in (tmp_path / "objects").rglob("*") if p.is_file())
-    victim.unlink()
-    if kind == "fifo":
-        os.mkfifo(victim)
-    else:
-        victim.mkdir()
+    sid = _object_replaced_by(kind)(tmp_path)
     with pytest.raises(ts.CorruptError):
         ts.load(_destination(), tmp_path, snapshot=sid)
     with pytest.raises(ts.CorruptError):
@@ -331,6 +389,12 @@ def _two_snapshots(root: Path) -> tuple[str, str]:
     return ts.save(_state(), root, step=1).id, ts.save(_state(), root, step=2).id
 
 
+def _other_snapshot(root: Path, sid: str) -> str:
+    """The one snapshot of a two-snapshot root that is not ``sid``."""
+    (other,) = {p.name for p in (root / "snapshots").iterdir()} - {sid}
+    return other
+
+
 def _reseal_marker(root: Path, sid: str, edit: Callable[[dict], None]) -> None:
     """Rewrite snapshot ``sid``'s marker after ``edit`` changed its document, with a manifest
     size and digest that match the manifest as it now is."""
@@ -355,21 +419,33 @@ def _only_the_first_is_listed_and_loaded(root: Path, first: str) -> None:
     assert "Traceback" not in out.stderr
 
 
+def _marker_nested_deep(root: Path) -> str:
+    _, second = _two_snapshots(root)
+    (root / "snapshots" / second / "COMMITTED").write_bytes(DEEP)
+    return second
+
+
 def test_a_marker_nested_100000_deep_breaks_only_its_own_snapshot(tmp_path: Path) -> None:
     """Finding 7: one such marker broke ls, verify, gc and load latest for the whole root
     with a RecursionError."""
-    first, second = _two_snapshots(tmp_path)
-    (tmp_path / "snapshots" / second / "COMMITTED").write_bytes(DEEP)
+    second = _marker_nested_deep(tmp_path)
+    first = _other_snapshot(tmp_path, second)
     _only_the_first_is_listed_and_loaded(tmp_path, first)
     with pytest.raises(ts.CorruptError, match="nested too deeply"):
         commit.committed_marker(open_storage(tmp_path), second)
 
 
-def test_a_manifest_header_nested_100000_deep_is_corrupt(tmp_path: Path) -> None:
-    first, second = _two_snapshots(tmp_path)
-    manifest = next((tmp_path / "snapshots" / second).glob("manifest*"))
+def _manifest_header_nested_deep(root: Path) -> str:
+    _, second = _two_snapshots(root)
+    manifest = next((root / "snapshots" / second).glob("manifest*"))
     manifest.write_bytes(encoding.MAGIC + len(DEEP).to_bytes(8, "little") + DEEP)
-    _reseal_marker(tmp_path, second, lambda doc: None)
+    _reseal_marker(root, second, lambda doc: None)
+    return second
+
+
+def test_a_manifest_header_nested_100000_deep_is_corrupt(tmp_path: Path) -> None:
+    second = _manifest_header_nested_deep(tmp_path)
+    first = _other_snapshot(tmp_path, second)
     with pytest.raises(ts.CorruptError, match="nested too deeply"):
         ts.load(_destination(), tmp_path, snapshot=second)
     with ts.CheckpointManager(tmp_path, options=ts.ManagerOptions(preemption_signals=())) as mgr:
@@ -383,11 +459,17 @@ def test_a_value_nested_100000_deep_is_an_error_of_that_value() -> None:
         values.decode(values.JSON, DEEP, "cfg", allow_pickle=False, snapshot_id="s")
 
 
+def _gigantic_marker(root: Path) -> str:
+    _, second = _two_snapshots(root)
+    with (root / "snapshots" / second / "COMMITTED").open("wb") as f:
+        f.truncate(1 << 30)  # sparse: costs no disk
+    return second
+
+
 def test_a_gigantic_marker_is_refused_without_reading_it(tmp_path: Path) -> None:
     """Finding 11: a 1 GiB marker took ls to 2.28 GB and 9 s."""
-    first, second = _two_snapshots(tmp_path)
-    with (tmp_path / "snapshots" / second / "COMMITTED").open("wb") as f:
-        f.truncate(1 << 30)  # sparse: costs no disk
+    second = _gigantic_marker(tmp_path)
+    first = _other_snapshot(tmp_path, second)
     _only_the_first_is_listed_and_loaded(tmp_path, first)
 
     class Counting(PosixStorage):
@@ -402,17 +484,32 @@ def test_a_gigantic_marker_is_refused_without_reading_it(tmp_path: Path) -> None
     assert Counting.read < 1 << 20  # the huge marker was never read
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("created", "0001-01-01T00:00:00-05:00"), ("nbytes", 10**400), ("created", "x" * 10**4)],
-)
+UNRENDERABLE: Final = [
+    ("created", "0001-01-01T00:00:00-05:00"),
+    ("nbytes", 10**400),
+    ("created", "x" * 10**4),
+]
+
+
+def _unrenderable_summary(field: str, value: object) -> Callable[[Path], str]:
+    """A builder: the newer of two snapshots' marker summary says ``field`` is ``value``."""
+
+    def build(root: Path) -> str:
+        _, second = _two_snapshots(root)
+        _reseal_marker(root, second, lambda doc: doc["summary"].update({field: value}))
+        return second
+
+    return build
+
+
+@pytest.mark.parametrize(("field", "value"), UNRENDERABLE)
 def test_a_marker_summary_a_listing_cannot_render_is_corrupt(
     tmp_path: Path, field: str, value: object
 ) -> None:
     """Finding 9: year 1 with an offset, or nbytes 10^400, passed the summary check and then
     overflowed when rendered, breaking `trainsnap ls` of the whole root."""
-    first, second = _two_snapshots(tmp_path)
-    _reseal_marker(tmp_path, second, lambda doc: doc["summary"].update({field: value}))
+    second = _unrenderable_summary(field, value)(tmp_path)
+    first = _other_snapshot(tmp_path, second)
     _only_the_first_is_listed_and_loaded(tmp_path, first)
 
 
@@ -428,24 +525,28 @@ def test_ids_and_keys_with_a_trailing_newline_are_refused() -> None:
         check_key("objects/ab\n")
 
 
+def _value_chunks_repeated(manifest: Manifest) -> None:
+    """The last value's chunk named 2,000 times more: a value many times larger than the bytes
+    its objects hold."""
+    last = len(manifest.chunk_length) - 1
+    copies = 2000
+    for name in ("chunk_object", "chunk_offset", "chunk_length"):
+        column = getattr(manifest, name)
+        setattr(manifest, name, np.concatenate([column, np.repeat(column[last:], copies)]))
+    manifest.value_nchunks[-1] += copies
+    manifest._derived.clear()
+
+
 def test_a_value_larger_than_its_objects_is_corrupt_before_it_is_allocated(
     tmp_path: Path,
 ) -> None:
     """Finding 8: a value's declared size was allocated before it was read (a 17 KiB manifest
     allocated 1.29 GB). The value's chunks here all name one region many times over."""
-
-    def mutate(manifest: Manifest) -> None:
-        last = len(manifest.chunk_length) - 1
-        copies = 2000
-        for name in ("chunk_object", "chunk_offset", "chunk_length"):
-            column = getattr(manifest, name)
-            setattr(manifest, name, np.concatenate([column, np.repeat(column[last:], copies)]))
-        manifest.value_nchunks[-1] += copies
-        manifest._derived.clear()
-
-    sid = _hostile_root(tmp_path, mutate)
+    sid = _hostile_root(tmp_path, _value_chunks_repeated)
     with pytest.raises(ts.CorruptError, match="overlapping"):
         ts.load(_destination(), tmp_path, snapshot=sid)
+    with pytest.raises(ts.CorruptError, match="overlapping"):  # every block of it checks out
+        ts.verify(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -466,23 +567,27 @@ def test_malformed_tagged_values_are_refused_not_decoded_silently(
         values.decode(values.JSON, document, "cfg", allow_pickle=False, snapshot_id="s")
 
 
-def test_a_strict_load_with_malformed_rng_state_applies_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding 12: malformed RNG state raised a raw ValueError after the model and optimizer
-    were already restored."""
+def _malformed_rng_state(root: Path, model: torch.nn.Module | None = None) -> str:
+    """A TrainState snapshot whose RNG state has the right shape but a version random.setstate
+    refuses."""
     from trainsnap.state import rng
 
     def bad_capture() -> dict:
         state = real_capture()
-        state["python"]["version"] = 99  # right shape, refused by random.setstate
+        state["python"]["version"] = 99
         return state
 
     real_capture = rng.capture
+    state = ts.TrainState(model=model if model is not None else torch.nn.Linear(4, 3))
+    with mock.patch.object(rng, "capture", bad_capture):
+        return ts.save(state, root, step=1).id
+
+
+def test_a_strict_load_with_malformed_rng_state_applies_nothing(tmp_path: Path) -> None:
+    """Finding 12: malformed RNG state raised a raw ValueError after the model and optimizer
+    were already restored."""
     model = torch.nn.Linear(4, 3)
-    monkeypatch.setattr(rng, "capture", bad_capture)
-    ts.save(ts.TrainState(model=model), tmp_path, step=1)
-    monkeypatch.setattr(rng, "capture", real_capture)
+    _malformed_rng_state(tmp_path, model)
     fresh = torch.nn.Linear(4, 3)
     before = fresh.weight.detach().clone()
     with pytest.raises(ts.CorruptError, match="RNG state cannot be restored"):
@@ -519,3 +624,383 @@ def test_a_root_that_is_itself_a_symlink_works_and_stays_inside(tmp_path: Path) 
     assert ts.verify(link).ok
     assert _canaries(outside) == before
     assert any((real / "objects").rglob("*"))
+
+
+# -- every tool on every hostile root: an answer, never a crash, a hang or an escape -------------
+#
+# Each tool runs in a process of its own, forked from one that has imported everything (so a
+# segfault or a hang is that tool's alone and a process start is paid once), and its peak RSS is
+# measured there: getrusage's ru_maxrss after the call minus before it.
+
+TOOLS: Final = ("verify", "show", "gc --dry-run", "diff", "export", "ts.load", "ts.read")
+ANSWERING: Final = frozenset({"verify", "diff", "export", "ts.load", "ts.read"})
+"""The tools that read the snapshot under attack itself: each must answer with an error
+(show and gc read only manifests: they must end cleanly, whichever way)."""
+PEAK_MB: Final = 200
+TOOL_TIMEOUT: Final = 60.0
+
+
+def _other_state() -> dict:
+    """Other values under the same keys: a diff against it must read the snapshot under
+    attack (identical objects would be called unchanged without a byte read)."""
+    state = _state()
+    return {
+        key: value + 1 if isinstance(value, torch.Tensor) else value for key, value in state.items()
+    }
+
+
+def _mutated(mutate: Callable[[Manifest], None]) -> Callable[[Path], str]:
+    """A builder: a root whose one snapshot's manifest ``mutate`` changed (see _hostile_root)."""
+    return lambda root: _hostile_root(root, mutate)
+
+
+def _zstd_bomb(root: Path) -> str:
+    """Finding 4 as a root: the one 1 MiB block of a compressed tensor replaced by a 32 KiB
+    frame declaring 1 GiB, with a stored size, frame size and digest that match it, so that
+    only the frame check stands between it and the decoder."""
+    options = ts.SaveOptions(compression="zstd")
+    sid = ts.save({"w": torch.zeros(1 << 18)}, root, step=3, options=options).id
+    storage = open_storage(root)
+    manifest = commit.open_snapshot(storage, sid)
+    bomb = _zeros_frame(1 << 30, declare=True)
+    (root / object_key(manifest.object_names[0])).write_bytes(bomb)
+    manifest.object_stored[0] = manifest.frames[0] = len(bomb)
+    manifest.blocks = manifest.hasher.digest(bomb)
+    manifest._derived.clear()
+    storage.delete(f"snapshots/{sid}/COMMITTED")
+    commit.write_commit(storage, manifest, writer={})
+    return sid
+
+
+def _block_size_2_30(manifest: Manifest) -> None:
+    """Finding 8: block_size 2^30 over objects of a few bytes (each still one block, so every
+    digest holds) asked for 1 GiB of scratch per reading thread."""
+    manifest.block_size = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Attack:
+    """A hostile root: how to build it and what the tools must answer."""
+
+    build: Callable[[Path], str]
+    """Makes the root at the path given (links and canaries beside it) and returns the id of
+    the snapshot under attack ("latest" where none survived)."""
+    companion: Callable[[], dict] | None = _other_state
+    """A sound snapshot saved first, which ``diff`` compares with the one under attack."""
+    destination: Callable[[], Any] = _destination
+    readable: frozenset[str] = frozenset()
+    """Tools that must succeed: for them the root is sound (only its meaning or a size in it
+    is hostile)."""
+
+
+ATTACKS: Final[dict[str, Attack]] = {
+    "nshards-wrap": Attack(_mutated(_set_column("tensor_nshards", [BIG, BIG, 5]))),
+    "chunk-bounds-wrap": Attack(_mutated(_wrapping_chunks)),
+    "value-chunk-2^63": Attack(_mutated(_value_chunk_of_2_63_bytes)),
+    "nchunks-wrap": Attack(_mutated(_wrapping_chunk_counts)),
+    "million-dimensions": Attack(_mutated(_million_dimensions)),
+    "elements-2^80": Attack(_mutated(_elements_beyond_2_58)),
+    # diff and export read tensors only: a damaged value they never read cannot stop them.
+    "value-chunks-repeated": Attack(
+        _mutated(_value_chunks_repeated), readable=frozenset({"diff", "export"})
+    ),
+    "block-size-2^30": Attack(_mutated(_block_size_2_30), readable=frozenset(TOOLS)),
+    "zstd-bomb": Attack(
+        _zstd_bomb,
+        companion=lambda: {"w": torch.ones(1 << 18)},
+        destination=lambda: {"w": torch.zeros(1 << 18)},
+    ),
+    "objects-dir-link": Attack(_objects_directory_linked_out),
+    "object-link": Attack(_object_linked_out),
+    # The linked directory is no part of the root: verify checks the one snapshot left.
+    "snapshot-dir-link": Attack(_snapshot_directory_linked_out, readable=frozenset({"verify"})),
+    "planted-links": Attack(_planted_object_links, companion=None),
+    "object-fifo": Attack(_object_replaced_by("fifo")),
+    "object-directory": Attack(_object_replaced_by("directory")),
+    "deep-marker": Attack(_marker_nested_deep),
+    "deep-header": Attack(_manifest_header_nested_deep),
+    "gigantic-marker": Attack(_gigantic_marker),
+    "summary-year-1": Attack(_unrenderable_summary(*UNRENDERABLE[0])),
+    "summary-nbytes-10^400": Attack(_unrenderable_summary(*UNRENDERABLE[1])),
+    "summary-created-10^4": Attack(_unrenderable_summary(*UNRENDERABLE[2])),
+    "rng-malformed": Attack(
+        _malformed_rng_state,
+        destination=lambda: ts.TrainState(model=torch.nn.Linear(4, 3)),
+        readable=frozenset(TOOLS) - {"ts.load"},
+    ),
+}
+
+
+def _argv(job: dict[str, Any]) -> list[str]:
+    root, sid = job["root"], job["snapshot"]
+    if job["tool"] == "diff":
+        return ["diff", root, job["other"], sid]
+    if job["tool"] == "export":
+        return ["export", root, sid, job["out"], "--format", "safetensors", "--prefix", ""]
+    return {"verify": ["verify", root], "show": ["show", root, sid]}.get(
+        job["tool"], ["gc", root, "--dry-run"]
+    )
+
+
+def _run_tool(job: dict[str, Any]) -> dict[str, Any]:
+    """Run one tool in this process as a user would (the CLI's own entry point, or the API
+    call): how it ended and its peak RSS above where it started."""
+    from trainsnap.tools.cli import app
+
+    answer: dict[str, Any] = {"exit": None, "raised": None, "trainsnap": False, "message": ""}
+    destination = ATTACKS[job["attack"]].destination if job["attack"] else _destination
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        if job["tool"] == "ts.load":
+            ts.load(destination(), job["root"], snapshot=job["snapshot"])
+        elif job["tool"] == "ts.read":
+            ts.read(job["root"], job["snapshot"])
+        else:
+            app(args=_argv(job), prog_name="trainsnap")
+        answer["exit"] = 0
+    except SystemExit as e:
+        answer["exit"] = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException as e:  # everything is recorded: a raw exception is a finding
+        answer["raised"] = f"{type(e).__module__}.{type(e).__qualname__}"
+        answer["trainsnap"] = isinstance(e, ts.TrainsnapError)
+        answer["message"] = str(e)[:400]
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    answer["peak_mb"] = (after - before) / 1024  # Linux counts KiB
+    return answer
+
+
+def _fork_tool(job: dict[str, Any], workdir: Path) -> int:
+    """Start one tool in a child of this process, its stdout and stderr into files."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(workdir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        answer = _run_tool(job)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        (workdir / "answer.json").write_text(json.dumps(answer))
+    except BaseException:
+        code = 3
+    finally:
+        os._exit(code)
+
+
+def _reaped(pid: int, workdir: Path, deadline: float) -> dict[str, Any] | None:
+    """A finished child's answer (killed past its deadline: it hung), or None while it runs."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if not done:
+        if time.monotonic() < deadline:
+            return None
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    found = workdir / "answer.json"
+    answer = json.loads(found.read_text()) if found.exists() else {}
+    for name in ("stdout", "stderr"):
+        answer[name] = (workdir / name).read_text(errors="replace")[-4000:]
+    answer["hung"] = not done
+    answer["signal"] = os.WTERMSIG(status) if done and os.WIFSIGNALED(status) else None
+    return answer
+
+
+def _probe_main(jobs_path: str, answers_path: str) -> None:
+    """In a fresh interpreter (see the end of this file): each job in a child of its own, two
+    at a time."""
+    # Everything the tools import is imported before the forks, so that no figure counts it:
+    # ts.load imports DTensor's module (and sympy) on first use, the CLI's first parse pydantic.
+    import torch.distributed.tensor  # noqa: F401
+    import zstandard  # noqa: F401
+
+    import trainsnap.tools.cli  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import typer._adapters  # noqa: F401
+
+    jobs = json.loads(Path(jobs_path).read_text())
+    answers: list[dict[str, Any] | None] = [None] * len(jobs)
+    queue = list(enumerate(jobs))[::-1]
+    running: dict[int, tuple[int, Path, float]] = {}
+    while queue or running:
+        if queue and len(running) < 2:
+            index, job = queue.pop()
+            workdir = Path(answers_path).parent / f"job-{index}"
+            workdir.mkdir()
+            running[_fork_tool(job, workdir)] = (index, workdir, time.monotonic() + TOOL_TIMEOUT)
+            continue
+        time.sleep(0.002)
+        for pid, (index, workdir, deadline) in list(running.items()):
+            answers[index] = _reaped(pid, workdir, deadline)
+            if answers[index] is not None:
+                del running[pid]
+    Path(answers_path).write_text(json.dumps(answers))
+
+
+def _run_tools(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each job's answer (see _run_tool and _reaped), from one fresh interpreter."""
+    with tempfile.TemporaryDirectory() as scratch:
+        jobs_path, answers_path = Path(scratch, "jobs.json"), Path(scratch, "answers.json")
+        jobs_path.write_text(json.dumps(jobs))
+        cmd = [sys.executable, __file__, str(jobs_path), str(answers_path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers: list[dict[str, Any]] = json.loads(answers_path.read_text())
+    return answers
+
+
+def _verdict(answer: dict[str, Any]) -> str:
+    """How a tool ended: ok; error (a TrainsnapError, or a clean exit: status 2 with one error
+    message, 1 with the problems found); or, in words, what went wrong instead."""
+    if answer["hung"]:
+        return f"hung past {TOOL_TIMEOUT:.0f} s"
+    if answer["signal"]:
+        return f"killed by {signal.Signals(answer['signal']).name}"
+    if "exit" not in answer:
+        return f"no answer: {answer['stderr'][-300:]}"
+    if "Traceback" in answer["stdout"] + answer["stderr"]:
+        return f"traceback: {answer['stderr'][-300:]}"
+    if answer["raised"]:
+        return "error" if answer["trainsnap"] else f"raw {answer['raised']}: {answer['message']}"
+    if answer["exit"] == 0:
+        return "ok"
+    first, *problems = answer["stderr"].rstrip().splitlines() or [""]
+    one_message = first.startswith("error: ") and all(p.startswith("  - ") for p in problems)
+    if answer["exit"] == 2 and one_message:  # the message, then each problem it gathered
+        return "error"
+    if answer["exit"] == 1 and answer["stdout"].strip():
+        return "error"
+    return f"exit {answer['exit']}: {answer['stderr'][-300:]}"
+
+
+def _fingerprint(home: Path, skip: Path) -> dict[str, tuple[int, int, int, str]]:
+    """Every entry under ``home`` (links not followed), bar ``skip``: its kind, size, mtime and
+    link target, which any write, deletion or creation changes."""
+    prints = {}
+    for directory, subdirectories, files in os.walk(home):
+        for name in subdirectories + files:
+            path = Path(directory, name)
+            if path == skip or skip in path.parents:
+                continue
+            info = path.lstat()
+            target = os.readlink(path) if path.is_symlink() else ""
+            prints[str(path.relative_to(home))] = (
+                info.st_mode,
+                info.st_size,
+                info.st_mtime_ns,
+                target,
+            )
+    return prints
+
+
+def _stored_mb(root: Path) -> float:
+    """Megabytes the root really occupies (a sparse file counts what it holds, a link
+    nothing): the most data a tool may legitimately need."""
+    total = 0
+    for directory, _, files in os.walk(root):
+        total += sum(Path(directory, name).lstat().st_blocks * 512 for name in files)
+    return total / 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What every tool did on every hostile root."""
+
+    answers: dict[tuple[str, str], dict[str, Any]]
+    """(attack, tool) -> how the tool ended and its peak RSS."""
+    changed: dict[str, list[str]]
+    """Per attack, the paths beside and under its root that the tools wrote, created or
+    deleted (the export's own destination aside)."""
+    stored_mb: dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Probe:
+    """Every hostile root built, and every tool run on it in a fresh process."""
+    base = tmp_path_factory.mktemp("hostile")
+    jobs, before = [], {}
+    for name, attack in ATTACKS.items():
+        home = base / name
+        root = home / "root"
+        other = ts.save(attack.companion(), root, step=0).id if attack.companion else None
+        sid = attack.build(root)
+        before[name] = _fingerprint(home, skip=home / "export")
+        for tool in TOOLS:
+            where = {"root": str(root), "snapshot": sid, "other": other or sid}
+            jobs.append({"attack": name, "tool": tool, "out": str(home / "export"), **where})
+    answers = _run_tools(jobs)
+    changed = {}
+    for name, prints in before.items():
+        after = _fingerprint(base / name, skip=base / name / "export")
+        changed[name] = sorted(
+            k for k in prints.keys() | after.keys() if prints.get(k) != after.get(k)
+        )
+    return Probe(
+        {(job["attack"], job["tool"]): answer for job, answer in zip(jobs, answers, strict=True)},
+        changed,
+        {name: _stored_mb(base / name / "root") for name in ATTACKS},
+    )
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_every_tool_answers_a_hostile_root_and_touches_nothing(probe: Probe, attack: str) -> None:
+    """verify, diff, export, ts.read and ts.load answer every attack with a TrainsnapError (the
+    CLI: status 1 or 2 and one message); show and gc --dry-run end cleanly; none is killed by a
+    signal, hangs, raises a raw exception or writes, creates or deletes anything beside the
+    export's destination. A tool the root is sound for must succeed."""
+    readable = ATTACKS[attack].readable
+    got = {tool: _verdict(probe.answers[attack, tool]) for tool in TOOLS}
+    want = {
+        tool: "ok" if tool in readable else "error" if tool in ANSWERING else got[tool]
+        for tool in TOOLS
+    }
+    for tool in set(TOOLS) - ANSWERING - readable:
+        if got[tool] not in ("ok", "error"):
+            want[tool] = "ok or error"
+    assert got == want
+    assert probe.changed[attack] == []
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_every_tool_stays_under_200_mb_on_a_hostile_root(probe: Probe, attack: str) -> None:
+    """Findings 4, 8 and 11 among others: a tool's peak RSS above its start stays under 200 MB
+    plus what the root really stores, however large the sizes it declares."""
+    bound = PEAK_MB + probe.stored_mb[attack]
+    peaks = {tool: probe.answers[attack, tool].get("peak_mb", float("inf")) for tool in TOOLS}
+    assert all(peak < bound for peak in peaks.values()), (bound, peaks)
+
+
+def _said(answer: dict[str, Any]) -> str:
+    """How a tool ended, in a few words: its exception's kind, or its exit and first line."""
+    if answer.get("raised"):
+        return answer["raised"].rsplit(".", 1)[-1]
+    verdict = _verdict(answer)
+    if verdict not in ("ok", "error"):
+        return verdict[:60]
+    line = (answer["stderr"].strip() or answer["stdout"].strip() or "-").splitlines()[0]
+    return f"{answer['exit']}: {line[:56]}"
+
+
+def test_the_peak_memory_table(probe: Probe, capsys: pytest.CaptureFixture[str]) -> None:
+    """The figures the two tests above check, printed to quote: each tool's peak RSS in MB
+    above its start, and how diff, export and ts.read ended."""
+    width = max(map(len, ATTACKS))
+    head = f"{'attack':<{width}}" + "".join(f"{tool:>14}" for tool in TOOLS)
+    peaks = [head, "-" * len(head)]
+    answers = []
+    for attack in ATTACKS:
+        cells = (probe.answers[attack, tool].get("peak_mb", float("nan")) for tool in TOOLS)
+        peaks.append(f"{attack:<{width}}" + "".join(f"{peak:>14.1f}" for peak in cells))
+        for tool in ("diff", "export", "ts.read"):
+            answers.append(f"{attack:<{width}}  {tool:<8}{_said(probe.answers[attack, tool])}")
+    with capsys.disabled():
+        print("\n\npeak RSS above each tool's start (MB), one fresh process per cell")
+        print("\n".join(peaks))
+        print("\nhow diff, export and ts.read ended (exit status and first line, or exception)")
+        print("\n".join(answers))
+    assert len(peaks) == len(ATTACKS) + 2
+
+
+if __name__ == "__main__":
+    _probe_main(*sys.argv[1:])

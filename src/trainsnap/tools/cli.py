@@ -126,9 +126,9 @@ def _reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
 # -- progress -------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
-    """A byte progress bar on stderr, gone once finished (the summary line says the rest)."""
+def _stderr_bar(what: str) -> Progress:
+    """A byte progress bar on stderr, gone once finished, drawn only on a terminal: piped,
+    there is nothing to redraw, and rich would leave an empty line before the next message."""
     columns = (
         TextColumn(what),
         BarColumn(),
@@ -137,7 +137,13 @@ def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
         TimeRemainingColumn(),
     )
     console = Console(stderr=True)
-    with Progress(*columns, console=console, transient=True) as bar:
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+
+
+@contextmanager
+def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
+    """A byte progress bar on stderr (the summary line says the rest)."""
+    with _stderr_bar(what) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.advance(task, n)
         bar.update(task, completed=total)
@@ -434,14 +440,7 @@ def _history_plot(job: restarts.History, path: Path) -> Path:
 def _bar(what: str) -> Iterator[Callable[[int, int], None]]:
     """A byte progress bar on stderr for operations that learn their total as they go: each
     advance carries it (export and diff know it once planned, import once laid out)."""
-    columns = (
-        TextColumn(what),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with _stderr_bar(what) as bar:
         task = bar.add_task(what, total=None)
         yield lambda n, total: bar.update(task, total=total, advance=n)
 
