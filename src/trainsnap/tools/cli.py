@@ -40,7 +40,6 @@ from trainsnap.protocol import commit
 from trainsnap.protocol.commit import resolve
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Storage, open_storage
-from trainsnap.tools import plot as plot_module
 from trainsnap.tools import render
 from trainsnap.tools.diff import (
     ADDED,
@@ -404,33 +403,7 @@ def history_command(
         for line in render.history_totals(job):
             _say(line)
     if plot is not None and job.runs:
-        _say(f"plot: {_history_plot(job, plot)}")
-
-
-def _history_plot(job: restarts.History, path: Path) -> Path:
-    origin = min(run.started for run in job.runs)
-    series, marks = [], []
-    palette = ("blue", "orange", "green", "purple", "red", "grey")
-    for i, run in enumerate(job.runs):
-        points = [(when - origin, float(step)) for when, step in run.saves]
-        if run.restored_at is not None and run.restored_step is not None:
-            points.insert(0, (run.restored_at - origin, float(run.restored_step)))
-        if run.time_reached is not None and run.step_reached is not None:
-            points.append((run.time_reached - origin, float(run.step_reached)))
-        if points:
-            series.append((f"run {run.generation} ({run.end})", sorted(points), palette[i % 6]))
-        if run.end == "crash" and run.time_reached is not None:
-            marks.append(
-                plot_module.Mark(run.time_reached - origin, f"crash {run.generation}", "red")
-            )
-    return plot_module.png_chart(
-        series,
-        path,
-        title="training progress across restarts",
-        x_label="wall time (s)",
-        y_label="step",
-        marks=marks,
-    )
+        _say(f"plot: {render.history_chart(job, plot)}")
 
 
 # -- export, import-dcp, diff --------------------------------------------------------------------

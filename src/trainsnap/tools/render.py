@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from trainsnap.format.manifest import Manifest
 from trainsnap.format.regions import Flat, Region
 from trainsnap.manager.restarts import History, Run
 from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.tools import plot as plot_module
 from trainsnap.tools.diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff
 
 MAX_SHARDS_SHOWN = 3
@@ -352,3 +354,30 @@ def history_totals(job: History) -> list[str]:
     else:
         lines.append(f"interval in use: {job.interval_in_use or '-'}")
     return lines
+
+
+def history_chart(job: History, path: Path) -> Path:
+    """A PNG of steps over wall time, one line per run, crashes marked (``history --plot``)."""
+    origin = min(run.started for run in job.runs)
+    series, marks = [], []
+    palette = ("blue", "orange", "green", "purple", "red", "grey")
+    for i, run in enumerate(job.runs):
+        points = [(when - origin, float(step)) for when, step in run.saves]
+        if run.restored_at is not None and run.restored_step is not None:
+            points.insert(0, (run.restored_at - origin, float(run.restored_step)))
+        if run.time_reached is not None and run.step_reached is not None:
+            points.append((run.time_reached - origin, float(run.step_reached)))
+        if points:
+            series.append((f"run {run.generation} ({run.end})", sorted(points), palette[i % 6]))
+        if run.end == "crash" and run.time_reached is not None:
+            marks.append(
+                plot_module.Mark(run.time_reached - origin, f"crash {run.generation}", "red")
+            )
+    return plot_module.png_chart(
+        series,
+        path,
+        title="training progress across restarts",
+        x_label="wall time (s)",
+        y_label="step",
+        marks=marks,
+    )
