@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import trainsnap as ts
+from test_integration_lightning import quiet_cpu
 from test_tree import same
 
 
@@ -64,16 +65,7 @@ def _lightning_checkpoint(tmp_path) -> dict[str, Any]:
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4
     )
-    trainer = lightning.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        plugins=[Capture()],
-    )
+    trainer = lightning.Trainer(max_steps=6, **quiet_cpu(tmp_path), plugins=[Capture()])
     trainer.fit(Module(), data)
     assert captured, "Lightning saved no checkpoint"
     return captured[-1]

@@ -128,12 +128,7 @@ def test_async_saves_point_after_their_commit_and_load_from_checkpoint_rebuilds_
     io = TrainsnapCheckpointIO(tmp_path / "root", async_save=True)
     trainer = lightning.Trainer(
         max_epochs=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
+        **quiet_cpu(tmp_path),
         plugins=[io],
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=1, monitor="loss")],
     )
@@ -149,6 +144,18 @@ def test_async_saves_point_after_their_commit_and_load_from_checkpoint_rebuilds_
     (tmp_path / "torch.ckpt").write_bytes(b"PK\x03\x04 not a pointer")
     with pytest.raises(ts.IncompatibleError, match="not a trainsnap checkpoint pointer"):
         io.load_checkpoint(tmp_path / "torch.ckpt")
+
+
+def quiet_cpu(workdir: Any) -> dict[str, Any]:
+    """Trainer options of a quiet one-process CPU run in ``workdir``."""
+    return {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(workdir),
+    }
 
 
 def _tiny_class() -> Any:

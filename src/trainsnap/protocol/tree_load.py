@@ -38,6 +38,7 @@ from trainsnap.state.capture import (
     ValueTarget,
     is_stateful,
     leaf_item,
+    state_dict_of,
 )
 
 Realize = Callable[[dict[str, Any]], Any]
@@ -119,13 +120,7 @@ class _Planner:
         return self._sequence(tmpl, saved, key)
 
     def _stateful(self, obj: Any, saved: Any, key: str) -> Realize:
-        sd = obj.state_dict()
-        if not isinstance(sd, Mapping):
-            raise InvalidArgumentError(
-                f"{key or 'state'}: {type(obj).__name__}.state_dict() returned "
-                f"{type(sd).__name__}, not a mapping",
-                key=key,
-            )
+        sd = state_dict_of(obj, key)
         build = self.node(sd, saved, key)
 
         def realize(decoded: dict[str, Any]) -> Any:
@@ -210,12 +205,7 @@ def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> 
     planner = _Planner(manifest, rank)
     root_obj = state
     if is_stateful(state) and not isinstance(state, Mapping):
-        root_obj = state.state_dict()
-        if not isinstance(root_obj, Mapping):
-            raise InvalidArgumentError(
-                f"{type(state).__name__}.state_dict() returned {type(root_obj).__name__}, "
-                "not a mapping"
-            )
+        root_obj = state_dict_of(state, "")
     saved = tree.children(manifest.tree)
     builds = [
         (k, planner.node(v, saved.get((type(k).__name__, k)), _top_key(k)))

@@ -137,6 +137,18 @@ def is_stateful(obj: object) -> bool:
     )
 
 
+def state_dict_of(obj: Any, key: str) -> Mapping[Any, Any]:
+    """``obj.state_dict()``, which must be a mapping (``key``: where ``obj`` sits)."""
+    sd = obj.state_dict()
+    if not isinstance(sd, Mapping):
+        raise InvalidArgumentError(
+            f"{key or 'state'}: {type(obj).__name__}.state_dict() returned "
+            f"{type(sd).__name__}, not a mapping",
+            key=key,
+        )
+    return sd
+
+
 def _has_tensor(obj: object) -> bool:
     if isinstance(obj, torch.Tensor | Sharded):
         return True
@@ -268,13 +280,7 @@ def _walk(
         visit(key, obj, parent, idx)
         return tree_mod.LEAF
     if is_stateful(obj):
-        sd = obj.state_dict()
-        if not isinstance(sd, Mapping):
-            raise InvalidArgumentError(
-                f"{key or 'state'}: {type(obj).__name__}.state_dict() returned "
-                f"{type(sd).__name__}, not a mapping",
-                key=key,
-            )
+        sd = state_dict_of(obj, key)
         node = _walk_mapping(sd, key, visit, finishers)
         if finishers is not None:
             finishers.append(partial(obj.load_state_dict, sd))
