@@ -179,3 +179,85 @@ def _tiny_class() -> Any:
 
 
 Tiny = _tiny_class()
+
+
+def _fit_sharded(
+    rank: int, world: int, workdir: str, kill_at_epoch: int | None, resume: bool
+) -> Any:
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.fsdp import fully_shard
+
+    from trainsnap.integrations.lightning import TrainsnapModelParallelStrategy
+
+    class Sharded(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+            )
+
+        def configure_model(self) -> None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, _idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):  # the schedule moves the optimizer's lr: it is state
+            opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    class Kill(lightning.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == kill_at_epoch:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4
+    )
+    torch.manual_seed(0)
+    module = Sharded()
+    trainer = lightning.Trainer(
+        max_epochs=EPOCHS,
+        **{**quiet_cpu(workdir), "devices": world},
+        strategy=TrainsnapModelParallelStrategy(
+            os.path.join(workdir, "snapshots"), data_parallel_size=world, tensor_parallel_size=1
+        ),
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(workdir, "ckpt"), save_last=True), Kill()],
+    )
+    trainer.fit(module, loader, ckpt_path="last" if resume else None)
+    full = {k: v.full_tensor() for k, v in module.net.state_dict().items()}
+    opt = trainer.optimizers[0]
+    moments = {
+        f"{i}.{k}": v.full_tensor()
+        for i, (_, s) in enumerate(opt.state.items())
+        for k, v in s.items()
+        if k != "step"
+    }
+    lr = opt.param_groups[0]["lr"]
+    return {"weights": full, "moments": moments, "global_step": trainer.global_step, "lr": lr}
+
+
+def test_model_parallel_saves_shards_without_a_gather_and_resumes_bitwise(tmp_path):
+    straight = assert_all_ok(
+        run_ranks(_fit_sharded, 2, args=(str(tmp_path / "a"), None, False), timeout=150)
+    )
+    killed = run_ranks(_fit_sharded, 2, args=(str(tmp_path / "b"), 2, False), timeout=150)
+    assert all(r.killed for r in killed), killed
+    root = tmp_path / "b" / "snapshots"
+    (last,) = ts.list_snapshots(root)[-1:]
+    from trainsnap.protocol import commit
+
+    m = commit.open_snapshot(ts.open_storage(root), last.id)
+    t = m.tensor_keys.index("state_dict.net.0.weight")
+    assert m.world_size == 2 and int(m.tensor_nshards[t]) == 2  # each rank wrote its shard
+    resumed = assert_all_ok(
+        run_ranks(_fit_sharded, 2, args=(str(tmp_path / "b"), None, True), timeout=150)
+    )
+    for got, want in zip(resumed, straight, strict=True):
+        assert got["global_step"] == want["global_step"] == EPOCHS * 4
+        assert _same(got["weights"], want["weights"]) and _same(got["moments"], want["moments"])
+        assert got["lr"] == want["lr"] == 0.05 * 0.5**EPOCHS

@@ -29,14 +29,17 @@ import torch
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import async_save, delete, read, save
+from trainsnap.api.snapshots import async_save, delete, load, read, save
 from trainsnap.errors import IncompatibleError, NotFoundError
+from trainsnap.format import tree
 from trainsnap.format.values import PickleKeys
 from trainsnap.manager import collection
+from trainsnap.protocol import commit
 from trainsnap.storage import Root, open_storage
 
 try:
     from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "trainsnap.integrations.lightning needs Lightning: pip install 'trainsnap[lightning]'"
@@ -248,4 +251,78 @@ def load_from_checkpoint(
     return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 
-__all__ = ["TrainsnapCheckpointIO", "load_from_checkpoint", "read_pointer"]
+def _saved_keys(root: Root, snapshot_id: str, storage_options: dict[str, Any]) -> list[Any]:
+    """The top-level keys a snapshot holds (from its manifest; no data is read)."""
+    manifest = commit.open_snapshot(open_storage(root, **storage_options), snapshot_id)
+    if manifest.tree is None:
+        return sorted({key.split(".", 1)[0] for key in manifest.tensor_keys + manifest.value_keys})
+    return [key for key, _ in tree.items(manifest.tree)]
+
+
+class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel over a device mesh),
+    checkpointing through trainsnap: every rank saves its own shards collectively -- nothing is
+    gathered to rank 0 -- and loads its shards of any saved layout, straight into its DTensors.
+    Rank 0 writes the pointer after the commit, as :class:`TrainsnapCheckpointIO` does.
+
+        strategy = TrainsnapModelParallelStrategy(root, data_parallel_size=2)
+        trainer = lightning.Trainer(strategy=strategy, ...)
+    """
+
+    def __init__(
+        self,
+        root: Root | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.storage_options = dict(storage_options or {})
+        self._trainsnap = TrainsnapCheckpointIO(root, storage_options=self.storage_options)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        pointer = Path(self.broadcast(str(filepath)))
+        root = self.broadcast(str(self._trainsnap._root_for(pointer)))
+        step = int(checkpoint.get("global_step", 0))
+        # Every rank saves its own DTensor shards; the coordinator commits.
+        info = save(checkpoint, root, step=step, storage_options=self.storage_options)
+        if self.global_rank == 0:
+            self._trainsnap._point(pointer, root, info.id, step)
+        self.barrier("trainsnap.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        root, snapshot_id = read_pointer(Path(self.broadcast(str(checkpoint_path))))
+        model = self.model
+        assert model is not None, "load_checkpoint runs after the strategy set the model up"
+        # Everything saved, as placeholders; the model's and optimizers' own (sharded) state dicts
+        # as destinations (torch initialises a fresh optimizer's moments to load into).
+        template: dict[str, Any] = dict.fromkeys(
+            _saved_keys(root, snapshot_id, self.storage_options)
+        )
+        template["state_dict"] = get_model_state_dict(model)
+        template["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in self.optimizers]
+        load(template, root, snapshot=snapshot_id, storage_options=self.storage_options)
+        set_model_state_dict(model, template.pop("state_dict"))
+        for optimizer, state in zip(self.optimizers, template.pop("optimizer_states"), strict=True):
+            set_optimizer_state_dict(
+                model, optimizer, state, options=StateDictOptions(strict=False)
+            )
+        return template
+
+
+__all__ = [
+    "TrainsnapCheckpointIO",
+    "TrainsnapModelParallelStrategy",
+    "load_from_checkpoint",
+    "read_pointer",
+]
