@@ -107,7 +107,7 @@ def _build(rank: int, root: str, dp: int, tp: int, **checkpoint: Any) -> dict[st
     )
     progress = Progress()
     checkpointer = TrainsnapCheckpointManager.Config(
-        enable=True, folder=root, interval=INTERVAL, keep_latest_k=2, **checkpoint
+        **{"enable": True, "folder": root, "interval": INTERVAL, "keep_latest_k": 2, **checkpoint}
     ).build(
         dataloader=loader,
         model_parts=[model],
@@ -321,3 +321,33 @@ def test_the_config_refuses_what_trainsnap_does_not_do() -> None:
         TrainsnapCheckpointManager.Config(compression="gzip")
     config = TrainsnapCheckpointManager.Config(compression="zstd", resume_level="training")
     assert config.async_mode == "async" and not config.enable
+
+
+def _local(root: str) -> dict[str, Any]:
+    """A local tier saved every step in front of durable saves every 4 steps."""
+    return {"local_folder": str(Path(root).parent / "local"), "local_interval": 1, "interval": 4}
+
+
+def _resume_local_then_reference(rank: int, world: int, root: str, fresh: str) -> dict[str, Any]:
+    return {
+        "resumed": _train(rank, world, root, 2, 1, _local(root)),
+        "reference": _train(rank, world, fresh, 2, 1, _local(fresh)),
+    }
+
+
+def test_a_local_tier_takes_the_frequent_saves_and_the_resume_starts_from_it(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "run" / "durable")
+    killed = run_ranks(_train, world_size=2, args=(root, 2, 1, _local(root), 7), timeout=90)
+    assert killed[1].killed, killed[1].describe()
+    assert [s.step for s in ts.list_snapshots(root)] == [4]  # durable: every 4 steps
+    assert [s.step for s in ts.list_snapshots(tmp_path / "run" / "local")][-1] == 6
+    fresh = str(tmp_path / "fresh" / "durable")
+    args = (root, fresh)
+    for r in assert_all_ok(run_ranks(_resume_local_then_reference, world_size=2, args=args)):
+        assert r["resumed"]["loaded"] == (6, "strict")  # the local tier's newer snapshot
+        reference = r["reference"]["losses"]
+        assert r["resumed"]["losses"] == {s: reference[s] for s in (7, 8)}  # bitwise
+    with pytest.raises(ValueError, match="go together"):
+        TrainsnapCheckpointManager.Config(local_folder="local")

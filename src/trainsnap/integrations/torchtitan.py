@@ -90,6 +90,14 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
         compression: str | None = None
         """Lossless compression of tensor data: ``"zstd"`` or ``"bytegroup+zstd"``."""
 
+        local_folder: str = ""
+        """A fast local tier (node NVMe, a RAM disk; relative to the dump folder like
+        ``folder``): every ``local_interval`` steps a snapshot goes there only, and each
+        durable save is promoted from it in the background. Empty: no local tier."""
+
+        local_interval: int = 0
+        """Steps between local-tier saves (with ``local_folder``)."""
+
         resume_level: Literal["strict", "training", "weights"] = "strict"
         """What a resume must restore. ``"strict"``: everything, the same trajectory; refused,
         naming the change, on a mesh where per-rank RNG or dataloader state cannot mean the
@@ -103,6 +111,11 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
             if self.compression is not None and self.compression not in COMPRESSIONS:
                 raise ValueError(
                     f"compression must be one of {COMPRESSIONS} or None, got {self.compression!r}"
+                )
+            if bool(self.local_folder) != (self.local_interval > 0):
+                raise ValueError(
+                    "local_folder and local_interval go together: a local tier needs both (got "
+                    f"local_folder={self.local_folder!r}, local_interval={self.local_interval})"
                 )
             if self.resume_level not in LEVELS:
                 raise ValueError(f"resume_level must be one of {LEVELS}, got {self.resume_level!r}")
@@ -147,6 +160,11 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
                 retention=ts.KeepLast(config.keep_latest_k) if config.keep_latest_k else None,
                 async_save=config.async_mode != "disabled",
                 save_options=ts.SaveOptions(compression=config.compression),
+                local=(
+                    ts.LocalTier(root=filesystem.join(base_folder, config.local_folder))
+                    if config.local_folder
+                    else None
+                ),
                 # torchtitan's loop never asks whether a signal asked it to stop
                 options=ts.ManagerOptions(preemption_signals=()),
             )
@@ -197,31 +215,37 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
 
     # -- saving -------------------------------------------------------------------------------
 
-    def _should_save(self, curr_step: int, last_step: bool) -> bool:
+    def _tier_due(self, curr_step: int, last_step: bool) -> str | None:
+        """``"durable"``, ``"local"`` (the local tier only) or None: whether to save now."""
         if self.manager is None:
-            return False
+            return None
         if curr_step == 1 and self.config.enable_first_step_checkpoint:
-            return True
-        return last_step or curr_step % self.config.interval == 0
+            return "durable"
+        if last_step or curr_step % self.config.interval == 0:
+            return "durable"
+        local = self.config.local_interval
+        return "local" if local and curr_step % local == 0 else None
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not self._should_save(curr_step, last_step):
+        tier = self._tier_due(curr_step, last_step)
+        if tier is None:
             return False
         assert self.manager is not None
         begin = time.monotonic()
         if last_step and self.config.last_save_model_only:
             result = self.manager.save(curr_step, self._model_only())
         else:
-            result = self.manager.save(curr_step, self._train_state())
+            result = self.manager.save(curr_step, self._train_state(), tier=tier)
         if isinstance(result, ts.SaveHandle):
             self.save_future = _future_of(result)
         if last_step:  # the trainer exits next: the last save must be committed first
             self.manager.wait()
         log.info(
-            "step %d: %s the trainsnap snapshot in %.2f s",
+            "step %d: %s the trainsnap snapshot (%s) in %.2f s",
             curr_step,
             "staged" if isinstance(result, ts.SaveHandle) and not last_step else "saved",
+            tier,
             time.monotonic() - begin,
         )
         return True
