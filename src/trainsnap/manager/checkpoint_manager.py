@@ -34,7 +34,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
@@ -52,21 +51,18 @@ from trainsnap.format.manifest import Manifest, id_step, level_rank
 from trainsnap.manager import collection, lease, restarts
 from trainsnap.manager.options import LocalTier, ManagerOptions
 from trainsnap.manager.policies import (
-    Candidate,
-    Retention,
     StepInfo,
     as_retention,
     as_save_policies,
-    to_delete,
 )
 from trainsnap.manager.quantize import quantize_history
-from trainsnap.manager.tiers import NodeTier, promote
+from trainsnap.manager.tiers import Tier, open_local, promote
 from trainsnap.protocol import commit
 from trainsnap.protocol.control_plane import Comm, StoreComm, comm_for
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state.train_state import TrainState
-from trainsnap.storage import Root, Storage, open_storage
+from trainsnap.storage import Root, open_storage
 
 log = logging.getLogger("trainsnap.manager")
 
@@ -123,11 +119,11 @@ class CheckpointManager:
         self.local_policies = as_save_policies(local.interval if local else None)
         self.weights_policies = as_save_policies(options.weights_interval)
         self.retention = as_retention(retention)
-        self.durable = _Tier("durable", self.storage, self.retention)
-        self.local: _Tier | None = None
+        self.durable = Tier("durable", self.storage, self.retention)
+        self.local: Tier | None = None
         if local is not None:
-            local_storage = _open_local(local.root, local.node, local.partner, storage_options)
-            self.local = _Tier("local", local_storage, as_retention(local.retention))
+            local_storage = open_local(local.root, local.node, local.partner, storage_options)
+            self.local = Tier("local", local_storage, as_retention(local.retention))
         self.async_save = async_save
         self.comm: Comm = comm_for(options.coordinator, options.timeout)
         self.saver = AsyncSaver(
@@ -182,7 +178,7 @@ class CheckpointManager:
         lease.record(self.storage, gen, "start", interval=repr(self.policies))
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
-    def _tiers(self) -> list[_Tier]:
+    def _tiers(self) -> list[Tier]:
         return [self.durable] if self.local is None else [self.local, self.durable]
 
     def _record(self, kind: str, **fields: Any) -> None:
@@ -454,7 +450,7 @@ class CheckpointManager:
         return result
 
     def _after_commit(
-        self, tier: _Tier, promote_to: _Tier | None, manifest: Manifest, bytes_written: int
+        self, tier: Tier, promote_to: Tier | None, manifest: Manifest, bytes_written: int
     ) -> None:
         """(coordinator, after each commit) record, promote, apply retention, collect."""
         tier.newest, tier.newest_step = manifest.snapshot_id, manifest.step
@@ -486,7 +482,7 @@ class CheckpointManager:
             if self.saver.in_flight() <= 1:  # only this save, finishing now
                 collection.collect(t.storage, grace=self.options.gc_grace)
 
-    def _quantize(self, tier: _Tier) -> None:
+    def _quantize(self, tier: Tier) -> None:
         """Older retained snapshots, never the newest: optimizer state at bfloat16 precision."""
         found = commit.list_committed(tier.storage)
         for c in found[:-1]:
@@ -552,55 +548,6 @@ class CheckpointManager:
         self._previous_handlers = {}
 
 
-def _candidate(cap: commit.Committed) -> Candidate:
-    s = cap.marker.summary
-    return Candidate(
-        cap.snapshot_id, cap.step, dict(s.get("metrics", {})), tuple(s.get("tags", ()))
-    )
-
-
-@dataclass(slots=True)
-class _Tier:
-    """One root the manager writes: its storage, lease, retention and newest snapshot."""
-
-    name: str
-    storage: Storage
-    retention: list[Retention]
-    lease: lease.Lease | None = None
-    newest: str | None = None
-    newest_step: int | None = None
-
-    def start(self) -> None:
-        self.lease = lease.Lease.take(self.storage)
-        found = commit.list_committed(self.storage)
-        if found:
-            self.newest_step = found[-1].step
-
-    def fence(self) -> None:
-        if self.lease is not None:
-            self.lease.check()
-
-    def apply_retention(self) -> list[str]:
-        if not self.retention:
-            return []
-        cands = [_candidate(c) for c in commit.list_committed(self.storage)]
-        doomed = to_delete(cands, self.retention, protected=set())
-        for c in doomed:
-            commit.delete_snapshot(self.storage, c.id)
-        if doomed:
-            log.info(
-                "retention deleted %d snapshot(s) from %s: steps %s",
-                len(doomed),
-                self.name,
-                [c.step for c in doomed],
-            )
-        return [c.id for c in doomed]
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release(newest=self.newest)
-
-
 class _Decisions:
     """Step-keyed decisions on the control plane: ``decide/<step>/<kind>`` exists when every
     rank must save (that kind of save) at that step (see the module docstring for why s + 1)."""
@@ -629,15 +576,3 @@ class _Decisions:
                 if self.store.check([old]):
                     self.store.delete_key(old)
         return found
-
-
-def _open_local(
-    local_root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
-) -> Storage:
-    """The local tier: one root, or this node's view of one root per node."""
-    if isinstance(local_root, str | os.PathLike) or hasattr(local_root, "put"):
-        return open_storage(local_root, **dict(options or {}))
-    roots = [open_storage(r, **dict(options or {})) for r in local_root]
-    if node is None:
-        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
-    return open_storage(NodeTier(roots, node, partner=partner))

@@ -15,13 +15,19 @@ objects are not all there.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from trainsnap import faults
 from trainsnap.errors import TrainsnapError
 from trainsnap.format.manifest import manifest_key, marker_key, object_key
+from trainsnap.manager import lease
+from trainsnap.manager.policies import Candidate, Retention, to_delete
 from trainsnap.protocol import commit
+from trainsnap.storage import open_storage
 from trainsnap.storage.base import Buffer, Storage
 
 log = logging.getLogger(__name__)
@@ -155,3 +161,67 @@ def promote(src: Storage, dst: Storage, snapshot_id: str, fence: object = None) 
     dst.put(marker_key(snapshot_id), src.get(marker_key(snapshot_id)))
     log.info("promoted %s from %s to %s (%d bytes copied)", snapshot_id, src.url, dst.url, copied)
     return copied
+
+
+# -- the tiers a manager writes -------------------------------------------------------------------
+
+
+def candidate(cap: commit.Committed) -> Candidate:
+    s = cap.marker.summary
+    return Candidate(
+        cap.snapshot_id, cap.step, dict(s.get("metrics", {})), tuple(s.get("tags", ()))
+    )
+
+
+@dataclass(slots=True)
+class Tier:
+    """One root the manager writes: its storage, lease, retention and newest snapshot."""
+
+    name: str
+    storage: Storage
+    retention: list[Retention]
+    lease: lease.Lease | None = None
+    newest: str | None = None
+    newest_step: int | None = None
+
+    def start(self) -> None:
+        self.lease = lease.Lease.take(self.storage)
+        found = commit.list_committed(self.storage)
+        if found:
+            self.newest_step = found[-1].step
+
+    def fence(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def apply_retention(self) -> list[str]:
+        if not self.retention:
+            return []
+        cands = [candidate(c) for c in commit.list_committed(self.storage)]
+        doomed = to_delete(cands, self.retention, protected=set())
+        for c in doomed:
+            commit.delete_snapshot(self.storage, c.id)
+        if doomed:
+            log.info(
+                "retention deleted %d snapshot(s) from %s: steps %s",
+                len(doomed),
+                self.name,
+                [c.step for c in doomed],
+            )
+        return [c.id for c in doomed]
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release(newest=self.newest)
+
+
+def open_local(
+    local_root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
+) -> Storage:
+    """The local tier: one root, or this node's view of one root per node."""
+    if isinstance(local_root, str | os.PathLike) or hasattr(local_root, "put"):
+        return open_storage(local_root, **dict(options or {}))
+    roots = [open_storage(r, **dict(options or {})) for r in local_root]
+    if node is None:
+        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    return open_storage(NodeTier(roots, node, partner=partner))
