@@ -7,7 +7,8 @@ Every rank calls :func:`run_load`:
 2. (all ranks) open the snapshot, plan the level (a :class:`~trainsnap.TrainState` decides what
    it can restore), read and verify what this rank's state needs, straight into it.
 3. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
-   raises everywhere, and nothing is applied.
+   raises everywhere, and step 4 is not run. Tensors were filled in place while reading, so a
+   failed load leaves them partly or wholly filled: load again before using the state.
 4. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
 """
 
