@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 LEAF: Final = 0
@@ -83,32 +83,6 @@ def container_kind(obj: object) -> str:
     if isinstance(obj, list):
         return "l"
     return "d"
-
-
-def empty(kind_: str) -> Any:
-    return {"d": dict, "o": OrderedDict, "l": list, "t": list}[kind_]()
-
-
-def leaves(node: Any, prefix: str = "") -> Iterator[str]:
-    """The dotted path of every leaf under ``node``, in order."""
-    stack: list[tuple[Any, str]] = [(node, prefix)]
-    while stack:
-        n, path = stack.pop()
-        if kind(n) == "leaf":
-            yield path
-            continue
-        stack.extend((c, join(path, k)) for k, c in reversed(items(n)))
-
-
-def child(node: Any, key: Key) -> Any:
-    """The child of a container node at ``key``, or None."""
-    if kind(node) in SEQUENCES:
-        body = node[kind(node)]
-        return body[key] if isinstance(key, int) and 0 <= key < len(body) else None
-    for k, c in items(node):
-        if k == key and type(k) is type(key):
-            return c
-    return None
 
 
 def children(node: Any) -> dict[tuple[str, Key], Any]:
@@ -242,14 +216,11 @@ def _short(obj: object) -> str:
 __all__ = [
     "LEAF",
     "MAX_DEPTH",
-    "child",
     "container_kind",
-    "empty",
     "is_key",
     "items",
     "join",
     "kind",
-    "leaves",
     "mapping",
     "merge",
     "name",

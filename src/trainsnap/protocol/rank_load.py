@@ -346,10 +346,11 @@ def fill(
     load_tensors(reader, pairs, tunables.get().io_threads)
     if targets.assign is not None:
         targets.assign({v.key: value for v, value in values})
-    for v, value in values if targets.assign is None else ():
-        if v.container is None:
-            raise InvalidArgumentError(f"nowhere to put the value {v.key!r}", key=v.key)
-        v.container[v.index] = value
+    else:
+        for v, value in values:
+            if v.container is None:
+                raise InvalidArgumentError(f"nowhere to put the value {v.key!r}", key=v.key)
+            v.container[v.index] = value
     for finish in targets.finishers:
         finish()
     return reader
