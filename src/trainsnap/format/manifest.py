@@ -110,6 +110,9 @@ class Manifest:
     tree: Any = None
     """The saved state's structure (:mod:`trainsnap.format.tree`; format 4). None for older
     formats and for snapshots made without one (imports): then only a template can say it."""
+    whole_nbytes: int | None = None
+    """Set on a part of a manifest handed to some ranks (:mod:`trainsnap.format.manifest_part`):
+    the whole snapshot's stored bytes. Not encoded."""
     # objects
     object_names: list[str] = field(default_factory=list)
     object_sizes: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -280,6 +283,8 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         """Bytes stored: the sum of the stored sizes of the objects it references."""
+        if self.whole_nbytes is not None:
+            return self.whole_nbytes
         return int(self.stored().sum())
 
     def summary(self) -> dict[str, Any]:

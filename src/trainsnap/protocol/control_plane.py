@@ -61,6 +61,16 @@ class Session(Protocol):
         """``objs[rank]`` of the coordinator on each rank."""
         ...
 
+    def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
+        """(coordinator) Make ``obj`` fetchable under ``name`` by ``readers`` other ranks:
+        one copy in the store however many ranks fetch it."""
+        ...
+
+    def fetch(self, tag: str, name: str) -> Any:
+        """What the coordinator published under ``name`` (waits for it, watching the
+        coordinator's heartbeat)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -78,6 +88,9 @@ class LocalComm:
 
 
 class LocalSession:
+    def __init__(self) -> None:
+        self._published: dict[tuple[str, str], Any] = {}
+
     def gather(self, tag: str, obj: Any) -> list[Any] | None:
         return [obj]
 
@@ -87,6 +100,12 @@ class LocalSession:
     def scatter(self, tag: str, objs: list[Any] | None = None) -> Any:
         assert objs is not None
         return objs[0]
+
+    def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
+        self._published[(tag, name)] = obj
+
+    def fetch(self, tag: str, name: str) -> Any:
+        return self._published.pop((tag, name))
 
     def close(self) -> None:
         pass
@@ -246,6 +265,22 @@ class StoreSession:
                     self.store.set(f"{base}/{r}", pickle.dumps(o))
             return objs[self.c.rank]
         return self._receive(f"{base}/{self.c.rank}", tag, delete=True)
+
+    def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
+        if readers > 0:
+            self.store.set(f"{self.ns}/{tag}/pub/{name}", pickle.dumps((readers, obj)))
+
+    def fetch(self, tag: str, name: str) -> Any:
+        key = f"{self.ns}/{tag}/pub/{name}"
+        coord = self.c.coordinator
+        self._wait_for(
+            lambda: [] if self.store.check([key]) else [coord], [coord], f"decision on {tag!r}"
+        )
+        readers, value = pickle.loads(self.store.get(key))
+        if int(self.store.add(f"{key}/acks", 1)) == readers:  # the last reader removes it
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}/acks")
+        return value
 
     def _receive(self, key: str, tag: str, delete: bool = False) -> Any:
         coord = self.c.coordinator

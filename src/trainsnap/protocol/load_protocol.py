@@ -4,16 +4,19 @@ Every rank calls :func:`run_load`:
 
 1. (coordinator) resolve which snapshot, so that ``"latest"`` means the same snapshot everywhere;
    broadcast it (or why there is none).
-2. (all ranks) open the snapshot, plan the level (a :class:`~trainsnap.TrainState` decides what
+2. (coordinator) read the manifest, once for the job; (all ranks) receive the part of it their
+   state needs (:mod:`trainsnap.protocol.manifest_share`).
+3. (all ranks) plan the level (a :class:`~trainsnap.TrainState` decides what
    it can restore), read and verify what this rank's state needs, straight into it.
-3. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
-   raises everywhere, and step 4 is not run. Tensors were filled in place while reading, so a
+4. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
+   raises everywhere, and step 5 is not run. Tensors were filled in place while reading, so a
    failed load leaves them partly or wholly filled: load again before using the state.
-4. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
+5. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -21,10 +24,11 @@ from trainsnap import errors, trace
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest
 from trainsnap.format.values import PickleKeys
-from trainsnap.protocol import commit, tree_load
-from trainsnap.protocol.control_plane import Comm, Session
+from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
+from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 from trainsnap.protocol.outcome import describe_error
 from trainsnap.protocol.rank_load import fill, read_value
+from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import targets
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
@@ -71,7 +75,12 @@ def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> s
 def _load_outcome(comm: Comm, session: Session, report: tuple[str | None, str]) -> dict[int, str]:
     """Every rank's (error, level reached) gathered on the coordinator; the ranks that failed
     (or disagree on the level), the same on every rank."""
-    results = session.gather("loaded", report)
+    try:
+        results = session.gather("loaded", report)
+    except PeerLost as e:
+        if comm.is_coordinator:  # the others learn who was lost, not that the coordinator left
+            session.broadcast("load-outcome", dict(e.ranks))
+        raise
     failed: dict[int, str] = {}
     if comm.is_coordinator:
         assert results is not None
@@ -95,13 +104,18 @@ def _load(
 ) -> tuple[Manifest, str, int]:
     with trace.span("resolve"):
         sid = _resolve(storage, snapshot, comm, session)
+    with trace.span("open"):
+        # Every rank raises the coordinator's failure here alike: no further agreement needed.
+        m, members, share = manifest_share.manifest_for(storage, sid, state, comm, session)
+        replicas = None
+        if share:  # every rank, in the same order: the data group is made collectively
+            group = replica_reads.data_group()
+            if len(members) > 1:
+                replicas = Replicas(members, comm.rank, group)
     error: TrainsnapError | None = None
-    m: Manifest | None = None
     tree: Any = state
     reached, nread = level, 0
     try:
-        with trace.span("open"):
-            m = commit.open_snapshot(storage, sid)
         if isinstance(state, TrainState):
             plan = state.plan_load(
                 m,
@@ -122,6 +136,7 @@ def _load(
                 comm.rank,
                 allow_pickle=allow_pickle,
                 same_world=same,
+                replicas=replicas,
             )
             nread = ev["bytes"] = reader.bytes_read
         if isinstance(state, TrainState):
@@ -130,6 +145,10 @@ def _load(
         if comm.world_size == 1:
             raise
         error = e
+        if replicas is not None and not replicas.told:
+            # Failed before reading: the replicas must not wait for this rank's share.
+            with contextlib.suppress(TrainsnapError):  # a replica lost: its own error says so
+                replica_reads.tell(replicas, e)
     report = (None if error is None else describe_error(error), reached)
     with trace.span("agree"):
         failed = _load_outcome(comm, session, report)
@@ -142,7 +161,6 @@ def _load(
             snapshot_id=sid,
             rank_errors=failed,
         )
-    assert m is not None
     if isinstance(state, TrainState):
         state.apply(tree)
     return m, reached, nread

@@ -29,11 +29,19 @@ from trainsnap import tunables
 from trainsnap.engine.buffers import BouncePool, tensor_bytes
 from trainsnap.engine.pool import run_all
 from trainsnap.engine.reader import Reader
-from trainsnap.errors import CorruptError, IncompatibleError, InvalidArgumentError, NotFoundError
+from trainsnap.errors import (
+    CorruptError,
+    IncompatibleError,
+    InvalidArgumentError,
+    NotFoundError,
+    TrainsnapError,
+)
 from trainsnap.format import values
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Piece, Region, RegionIndex
 from trainsnap.format.values import PickleKeys
+from trainsnap.protocol import replica_reads
+from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import Targets, TensorItem, ValueTarget
 from trainsnap.storage.base import Storage
 
@@ -336,14 +344,19 @@ def fill(
     *,
     allow_pickle: PickleKeys,
     same_world: bool = True,
+    replicas: Replicas | None = None,
 ) -> Reader:
-    """Fill ``tg`` from ``m``: values are read and decoded first (a value that may not be
-    loaded refuses the load before any tensor is touched), then tensors, then values are put in
-    their containers and stateful objects get their state dicts back."""
-    pairs = match(manifest, targets, rank, same_world)
+    """Fill ``targets`` from ``manifest``: values are read and decoded first (a value that may
+    not be loaded refuses the load before any tensor is touched), then tensors (with
+    ``replicas``, this rank's share of them, the rest received from the replicas), then values
+    are put in their containers and stateful objects get their state dicts back."""
     reader = Reader(storage, manifest)
-    values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)
-    load_tensors(reader, pairs, tunables.get().io_threads)
+    if replicas is None:
+        pairs = match(manifest, targets, rank, same_world)
+        values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)
+        load_tensors(reader, pairs, tunables.get().io_threads)
+    else:
+        values = _fill_shared(reader, manifest, targets, replicas, allow_pickle, same_world)
     if targets.assign is not None:
         targets.assign({v.key: value for v, value in values})
     else:
@@ -354,3 +367,53 @@ def fill(
     for finish in targets.finishers:
         finish()
     return reader
+
+
+def _place(manifest: Manifest, tensor: int) -> replica_reads.Place:
+    """Where a tensor's stored bytes start and end (its first and last shard's chunks)."""
+    ss = manifest.shard_start()
+    lo, hi = int(ss[tensor]), int(ss[tensor + 1])
+    if hi == lo:
+        return (-1, -1, -1, -1)
+    first, last = manifest.chunks_of(lo), manifest.chunks_of(hi - 1)
+    if not len(first) or not len(last):
+        return (-1, -1, -1, -1)
+    end = last[-1]
+    return (
+        int(manifest.chunk_object[first[0]]),
+        int(manifest.chunk_offset[first[0]]),
+        int(manifest.chunk_object[end]),
+        int(manifest.chunk_offset[end] + manifest.chunk_length[end]),
+    )
+
+
+def _fill_shared(
+    reader: Reader,
+    manifest: Manifest,
+    targets: Targets,
+    replicas: Replicas,
+    allow_pickle: PickleKeys,
+    same_world: bool,
+) -> list[tuple[ValueTarget, Any]]:
+    """Read this rank's share of the tensors its replicas also need (and everything only it
+    needs), then exchange shares with the replicas (:mod:`trainsnap.protocol.replica_reads`)."""
+    shared: list[tuple[_Dest, int]] = []
+    owner: dict[str, int] = {}
+    failure: TrainsnapError | None = None
+    values: list[tuple[ValueTarget, Any]] = []
+    try:
+        pairs = match(manifest, targets, replicas.rank, same_world)
+        shared = [(d, t) for d, t in pairs if int(manifest.tensor_ranks[t]) == -1]
+        places = [(d.item.key, d.work, _place(manifest, t)) for d, t in shared]
+        owner = replica_reads.split(replicas, places, manifest.block_size)
+        own = [(d, t) for d, t in pairs if owner.get(d.item.key, replicas.rank) == replicas.rank]
+        values = read_values(reader, manifest, targets, replicas.rank, allow_pickle=allow_pickle)
+        load_tensors(reader, own, tunables.get().io_threads)
+    except TrainsnapError as e:
+        failure = e
+    replica_reads.exchange(replicas, [(d.item.key, d.work) for d, _ in shared], owner, failure)
+    for dest, _ in shared:
+        if owner[dest.item.key] != replicas.rank and not dest.direct:
+            with torch.no_grad():
+                dest.item.local.copy_(dest.work)
+    return values

@@ -209,6 +209,16 @@ class TrainState:
             tree["grads"] = self._grads()
         return tree
 
+    def load_wants(self) -> tuple[list[str], dict[str, Any]]:
+        """What a load of this state may read, known before the manifest: the top-level keys
+        (its parts) and the trees whose tensors are filled in place (model and optimizer)."""
+        parts = self.parts()
+        keys = [*parts, "optim_meta"] if "optim" in parts else list(parts)
+        if "model" not in parts:
+            return keys, {}
+        msd, osd = self._model_and_optim("optim" in parts)
+        return keys, {"model": msd} if osd is None else {"model": msd, "optim": osd}
+
     def _stateless(self, osd: Any) -> list[str]:
         """Parameters with no optimizer state (they never got a gradient)."""
         assert self._parts is not None

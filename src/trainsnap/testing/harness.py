@@ -99,12 +99,16 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     rank_env: Mapping[int, Mapping[str, str]] | None = None,
     init_pg: bool = True,
+    rendezvous: str = "file",
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
-    With ``init_pg`` each rank first joins a gloo process group (file rendezvous in a fresh temp
-    dir, collective timeout ``timeout``) that is destroyed after ``fn``; without it no process
-    group exists, which tests single-process behaviour inside a clean interpreter.
+    With ``init_pg`` each rank first joins a gloo process group (collective timeout
+    ``timeout``) that is destroyed after ``fn``; without it no process group exists, which
+    tests single-process behaviour inside a clean interpreter. ``rendezvous`` is ``"file"`` (a
+    file store in a fresh temp dir) or ``"tcp"`` (a TCPStore hosted by rank 0 on a free port of
+    127.0.0.1, as torchrun makes: its key-value traffic goes over a socket, not through a file
+    every rank re-reads).
 
     Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``TRAINSNAP_RANK``, then ``env``,
     then ``rank_env[rank]`` (e.g. ``{1: {"TRAINSNAP_FAULTS": "mid_write=crash"}}``), all set
@@ -120,9 +124,14 @@ def run_ranks(
     Returns one :class:`RankResult` per rank, in rank order.
     """
     _check_arguments(world_size, timeout, rank_env)
+    if rendezvous not in ("file", "tcp"):
+        raise ValueError(f"rendezvous must be 'file' or 'tcp', got {rendezvous!r}")
     payload = _payload(fn, args, kwargs or {})
     import_paths = _import_paths(fn)
     workdir = Path(tempfile.mkdtemp(prefix="trainsnap-ranks-"))
+    init_method = (workdir / "rendezvous").as_uri()
+    if rendezvous == "tcp":
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = get_context("spawn")
     procs: list[Any] = []
     try:
@@ -134,7 +143,7 @@ def run_ranks(
                 payload=payload,
                 import_paths=import_paths,
                 env=_rank_environment(rank, world_size, env, rank_env),
-                init_method=(workdir / "rendezvous").as_uri() if init_pg else None,
+                init_method=init_method if init_pg else None,
                 timeout=timeout,
                 result_path=str(_result_path(workdir, rank)),
                 parent_pid=os.getpid(),
@@ -342,6 +351,16 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _free_port() -> int:
+    """A port of 127.0.0.1 free now (rank 0 binds it a moment later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _run(spec: _ChildSpec) -> Any:

@@ -1,0 +1,159 @@
+"""How the ranks of a load get the manifest: read from storage once, and each rank given its part.
+
+A manifest describes every shard of every rank; at 4,096 ranks it is tens of MiB, and every rank
+reading and decoding it would pull that from storage once per rank and plan against shards it
+never touches. Instead, on a load of more than one rank:
+
+1. (all ranks) say what their state asks for (:func:`wants_of`: top-level keys, and the regions
+   of tensors filled in place by a shard), as a digest.
+2. (coordinator) group the ranks by digest (data-parallel replicas share one) and broadcast the
+   rank that speaks for each group.
+3. (all ranks) those ranks send their wants.
+4. (coordinator) open the snapshot -- marker, manifest checksum, validation, the only read of the
+   manifest in the job -- cut one part per group (:mod:`trainsnap.format.manifest_part`, with
+   the per-rank entries of the group's ranks) and publish it once in the store; broadcast that
+   the parts are ready, or why there are none (the same error then stops every rank).
+5. (all ranks) fetch their group's part: a rank's metadata is its own pieces, not the world's.
+
+A failure on the coordinator at any step is broadcast in the decision the ranks wait for, so no
+rank waits for an exchange that will not come; a rank that dies is named by the heartbeat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+from trainsnap import errors
+from trainsnap.errors import TrainsnapError
+from trainsnap.format import tree
+from trainsnap.format.manifest import Manifest
+from trainsnap.format.manifest_part import PartIndex, Wants
+from trainsnap.format.regions import Box, Region
+from trainsnap.protocol import commit, replica_reads
+from trainsnap.protocol.control_plane import Comm, Session
+from trainsnap.state.capture import is_stateful, state_dict_of, targets
+from trainsnap.state.train_state import TrainState
+from trainsnap.storage.base import Storage
+
+
+def wants_of(state: Any) -> Wants | None:
+    """What loading ``state`` may read; None (everything) when the state cannot say, so that
+    its planning reports the problem as the load's error."""
+    try:
+        if isinstance(state, TrainState):
+            tops, templates = state.load_wants()
+        else:
+            root = state
+            if is_stateful(state) and not isinstance(state, Mapping):
+                root = state_dict_of(state, "")
+            tops = [tree.join("", k) for k in root if tree.is_key(k)]
+            templates = root
+        regions: dict[str, list[Region]] = {}
+        for item in targets(templates).tensors:
+            if item.region != Box.full(item.global_shape):
+                regions.setdefault(item.key, []).append(item.region)
+    except TrainsnapError:
+        return None
+    return Wants(tuple(tops), {k: tuple(r) for k, r in regions.items()})
+
+
+def manifest_for(
+    storage: Storage, snapshot_id: str, state: Any, comm: Comm, session: Session
+) -> tuple[Manifest, tuple[int, ...], bool]:
+    """The manifest of ``snapshot_id`` as far as this rank's ``state`` needs it (the whole
+    manifest in a world of one); the ranks that need the same (this one among them); and
+    whether replicas share their reads in this load (the same on every rank: when it is true,
+    every rank takes part in making the data group, :func:`replica_reads.data_group`)."""
+    if comm.world_size == 1:
+        return commit.open_snapshot(storage, snapshot_id), (comm.rank,), False
+    wants = wants_of(state)
+    digest = hashlib.blake2b(pickle.dumps(wants), digest_size=16).hexdigest()
+    error: TrainsnapError | None = None
+    speakers: dict[str, list[int]] = {}
+    try:
+        digests = session.gather("wants-digest", digest)
+        if digests is not None:
+            speakers = _groups(digests)
+    except TrainsnapError as e:
+        error = _only_on_coordinator(e, comm)
+    speakers = _decided(session.broadcast("wants-from", _told(speakers, error)), error, comm)
+    asked = any(ranks[0] == comm.rank for ranks in speakers.values())
+    mine: tuple[Manifest, tuple[int, ...] | None] | None = None
+    share = False
+    try:
+        said = session.gather("wants", wants if asked else None)
+        if said is not None:
+            share = replica_reads.enabled(comm.world_size) and any(
+                len(ranks) > 1 and said[ranks[0]] is not None for ranks in speakers.values()
+            )
+            mine = _publish(storage, snapshot_id, speakers, said, digest, comm, session)
+    except TrainsnapError as e:
+        error = _only_on_coordinator(e, comm)
+    share = _decided(session.broadcast("manifest-parts", _told(share, error)), error, comm)
+    if mine is None:
+        mine = session.fetch("manifest-part", digest)
+    part, members = mine
+    return part, members or (comm.rank,), share
+
+
+def _only_on_coordinator(error: TrainsnapError, comm: Comm) -> TrainsnapError:
+    """A coordinator's failure is broadcast to the others; any other rank's is raised."""
+    if not comm.is_coordinator:
+        raise error
+    return error
+
+
+def _told(decision: Any, error: TrainsnapError | None) -> Any:
+    """What the coordinator broadcasts: its decision, or (kind, message) of its failure."""
+    return decision if error is None else (type(error).__name__, str(error))
+
+
+def _decided(decision: Any, error: TrainsnapError | None, comm: Comm) -> Any:
+    """The coordinator's decision; its failure raised, on the others as the same kind."""
+    if error is not None:
+        raise error
+    if isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], str):
+        kind, message = decision
+        cls = getattr(errors, kind, TrainsnapError)
+        if not (isinstance(cls, type) and issubclass(cls, TrainsnapError)):
+            cls = TrainsnapError
+        raise cls(f"{message} (found by the coordinator, rank {comm.coordinator})")
+    return decision
+
+
+def _groups(digests: list[str]) -> dict[str, list[int]]:
+    """Ranks by the digest of their wants; the first of each group speaks for it."""
+    groups: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    return groups
+
+
+def _publish(
+    storage: Storage,
+    snapshot_id: str,
+    groups: dict[str, list[int]],
+    said: list[Any],
+    own_digest: str,
+    comm: Comm,
+    session: Session,
+) -> tuple[Manifest, tuple[int, ...] | None]:
+    """(coordinator) Read the manifest, publish each group's part with its members; return the
+    coordinator's own."""
+    manifest = commit.open_snapshot(storage, snapshot_id)
+    index = PartIndex(manifest)
+    mine: tuple[Manifest, tuple[int, ...] | None] = (manifest, None)
+    for digest, ranks in groups.items():
+        wants = said[ranks[0]]
+        part = manifest if wants is None else index.part(wants, ranks)
+        # A state that cannot say what it wants shares no reads (its wants are not known to
+        # be the same as the others').
+        members = tuple(ranks) if wants is not None else None
+        readers = sum(1 for r in ranks if r != comm.rank)
+        session.publish("manifest-part", digest, (part, members), readers)
+        if digest == own_digest:
+            mine = (part, members)
+    return mine

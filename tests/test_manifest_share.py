@@ -1,0 +1,179 @@
+"""The manifest is read from storage once per load, and each rank is handed only its part:
+the pure cutting (format/manifest_part) and 4 real ranks counting their manifest reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import trainsnap as ts
+from trainsnap.format.manifest import ManifestBuilder
+from trainsnap.format.manifest_part import PartIndex, Wants
+from trainsnap.format.regions import Box, Flat
+from trainsnap.protocol import commit
+from trainsnap.testing import assert_all_ok, run_ranks
+
+# -- cutting a part -------------------------------------------------------------------------------
+
+
+def _manifest() -> Any:
+    """A (8, 4) tensor in four row shards, one per object; a per-rank tensor on 3 ranks; a
+    global and a per-rank value; a tensor under another top-level key."""
+    b = ManifestBuilder(
+        snapshot_id="step-000000000001-abcd",
+        created="2026-01-01T00:00:00Z",
+        step=1,
+        level="training",
+        algorithm="xxh3-128",
+        block_size=1 << 20,
+        topology={"world_size": 3},
+    )
+    objs = [b.add_object(f"{i:02x}" * 32, 32, bytes(16)) for i in range(8)]
+    t = b.add_tensor("w.big", -1, "float32", (8, 4))
+    for i in range(4):
+        b.add_shard(t, Box((2 * i, 0), (2, 4)), [(objs[i], 0, 32)])
+    for r in range(3):
+        t = b.add_tensor("w.mine", r, "float32", (2,))
+        b.add_shard(t, Box((0,), (2,)), [(objs[4], 8 * r, 8)])
+    t = b.add_tensor("other", -1, "float32", (2,))
+    b.add_shard(t, Box((0,), (2,)), [(objs[5], 0, 8)])
+    b.add_value("cfg.lr", -1, "json", [(objs[6], 0, 4)])
+    for r in range(3):
+        b.add_value("cfg.rank", r, "json", [(objs[7], 4 * r, 4)])
+    m = b.build()
+    m.tree = {"d": [["w", {"d": [["big", 0], ["mine", 0]]}], ["cfg", 0], ["other", 0]]}
+    return m
+
+
+def _entries(part: Any) -> list[tuple[str, int, int]]:
+    """(key, rank, shards) of each tensor of a part."""
+    ns = part.tensor_nshards.tolist()
+    return list(zip(part.tensor_keys, part.tensor_ranks.tolist(), ns, strict=True))
+
+
+def test_a_part_holds_the_wanted_keys_and_only_the_shards_that_meet_the_ranks_regions() -> None:
+    m = _manifest()
+    part = PartIndex(m).part(Wants(("w",), {"w.big": (Box((3, 0), (2, 4)),)}), ranks=[1])
+    assert _entries(part) == [("w.big", -1, 2), ("w.mine", 1, 1)]
+    assert [part.shard_region(s, (8, 4)) for s in range(2)] == [
+        Box((2, 0), (2, 4)),
+        Box((4, 0), (2, 4)),
+    ]
+    # Objects renumbered, names and checksums kept: the chunks still name the right bytes.
+    obj = int(part.chunk_object[part.chunks_of(0)[0]])
+    assert part.object_names[obj] == m.object_names[1]
+    assert part.object_blocks(obj) == m.object_blocks(1)
+    assert part.value_keys == []  # "cfg" was not asked for
+    assert part.tree == {"d": [["w", {"d": [["big", 0], ["mine", 0]]}]]}
+    assert part.nbytes == m.nbytes  # the snapshot's size, not the part's
+    assert part.step == m.step and part.topology == m.topology
+
+
+def test_a_part_without_regions_keeps_every_shard_and_each_ranks_own_entries() -> None:
+    m = _manifest()
+    part = PartIndex(m).part(Wants(("w", "cfg"), {}), ranks=[0, 2])
+    assert _entries(part) == [("w.big", -1, 4), ("w.mine", 0, 1), ("w.mine", 2, 1)]
+    assert list(zip(part.value_keys, part.value_ranks.tolist(), strict=True)) == [
+        ("cfg.lr", -1),
+        ("cfg.rank", 0),
+        ("cfg.rank", 2),
+    ]
+
+
+def test_a_rank_the_snapshot_has_no_entries_for_gets_the_lowest_ranks() -> None:
+    """On another world size rank 5 has no per-rank entry: the part keeps rank 0's so that the
+    load is refused as rank-bound, not as a missing key."""
+    part = PartIndex(_manifest()).part(Wants(("w.mine",), {}), ranks=[5])
+    assert _entries(part) == [("w.mine", 0, 1)]
+
+
+def test_flat_regions_keep_the_shards_their_row_major_span_meets() -> None:
+    part = PartIndex(_manifest()).part(Wants(("w",), {"w.big": (Flat(9, 8),)}), ranks=[0])
+    assert _entries(part)[0] == ("w.big", -1, 2)  # elements 9..16 lie in rows 2..4
+
+
+def test_a_top_key_selects_itself_and_what_is_under_it_not_its_namesakes() -> None:
+    part = PartIndex(_manifest()).part(Wants(("w.big", "oth"), {}), ranks=[0])
+    assert _entries(part) == [("w.big", -1, 4)]
+
+
+# -- four real ranks ------------------------------------------------------------------------------
+
+ROWS, COLS = 8, 6
+
+
+def _full(key: str) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + ord(key)
+
+
+def _state(rank: int, world: int, blank: bool) -> dict[str, Any]:
+    """Four tensors split in rows over the tensor-parallel pair (tp = rank % 2), replicated
+    over the data-parallel pair; a per-rank counter."""
+    tp = rank % 2
+    rows = ROWS // 2
+    out: dict[str, Any] = {}
+    for key in ("a", "b", "c", "d"):
+        local = _full(key)[tp * rows : (tp + 1) * rows].clone()
+        if blank:
+            local.zero_()
+        out[key] = ts.Sharded(local, global_shape=(ROWS, COLS), offsets=(tp * rows, 0))
+    out["count"] = torch.zeros(1) if blank else torch.full((1,), float(rank))
+    return out
+
+
+def _save(rank: int, world: int, root: str) -> None:
+    ts.save(_state(rank, world, blank=False), root, step=3, timeout=60)
+
+
+def _counted_load(rank: int, world: int, root: str) -> dict[str, Any]:
+    from trainsnap.protocol import manifest_share
+    from trainsnap.storage.posix import PosixStorage
+
+    reads: list[int] = []
+    parts: list[Any] = []
+    get, share = PosixStorage.get, manifest_share.manifest_for
+
+    def counting_get(self: Any, key: str, *args: Any, **kwargs: Any) -> bytes:
+        data: bytes = get(self, key, *args, **kwargs)
+        if "/manifest" in key:
+            reads.append(len(data))
+        return data
+
+    def recording_share(*args: Any, **kwargs: Any) -> Any:
+        result = share(*args, **kwargs)
+        parts.append(result[0])
+        return result
+
+    PosixStorage.get = counting_get  # type: ignore[method-assign]
+    manifest_share.manifest_for = recording_share
+    state = _state(rank, world, blank=True)
+    ts.load(state, root, timeout=60)
+    tp = rank % 2
+    for key in ("a", "b", "c", "d"):
+        want = _full(key)[tp * 4 : (tp + 1) * 4]
+        assert torch.equal(state[key].local, want), key
+    assert float(state["count"]) == float(rank)
+    (part,) = parts
+    return {
+        "manifest_reads": reads,
+        "shards": int(part.tensor_nshards.sum()),
+        "tensor_ranks": sorted(set(part.tensor_ranks.tolist())),
+    }
+
+
+def test_a_load_on_four_ranks_reads_the_manifest_once_and_hands_each_rank_its_part(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path)
+    assert_all_ok(run_ranks(_save, 4, args=(root,), timeout=90))
+    sid = commit.resolve(ts.open_storage(root), "latest")
+    whole = commit.open_snapshot(ts.open_storage(root), sid)
+    assert int(whole.tensor_nshards.sum()) == 4 * 2 + 4  # 4 keys x 2 row shards, 4 counters
+    out = assert_all_ok(run_ranks(_counted_load, 4, args=(root,), timeout=120))
+    reads = [len(o["manifest_reads"]) for o in out]
+    assert reads == [1, 0, 0, 0], reads  # the coordinator's read, nobody else's
+    # Replicas (ranks 0 and 2, 1 and 3) share one part: their row shard of each key (not the
+    # other one) and their two counters.
+    assert [o["shards"] for o in out] == [4 + 2] * 4
+    assert [o["tensor_ranks"] for o in out] == [[-1, r % 2, r % 2 + 2] for r in range(4)]

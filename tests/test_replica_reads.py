@@ -1,0 +1,154 @@
+"""Replicas share their reads: 4 real gloo ranks, bytes read from storage counted per process
+(by the storage backend), every value bitwise, and a replica that dies mid-exchange named by
+the others."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import trainsnap as ts
+from trainsnap.protocol.replica_reads import Replicas, split
+from trainsnap.testing import assert_all_ok, run_ranks
+
+KEYS = {"emb": (256, 256), "w1": (192, 160), "w2": (160, 192), "bias": (192,), "head": (64, 256)}
+
+
+def _full(key: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(KEYS[key], generator=g)
+
+
+def _ddp_state(rank: int, blank: bool) -> dict[str, Any]:
+    """Every rank holds every tensor whole (data-parallel replicas), and a per-rank counter."""
+    state: dict[str, Any] = {k: torch.zeros(s) if blank else _full(k) for k, s in KEYS.items()}
+    state["seen"] = torch.zeros(1) if blank else torch.full((1,), float(rank))
+    return state
+
+
+def _mesh_state(rank: int, blank: bool) -> dict[str, Any]:
+    """(dp=2, tp=2): rows split over tp = rank % 2, replicated over dp."""
+    tp = rank % 2
+    state: dict[str, Any] = {}
+    for key, shape in KEYS.items():
+        rows = shape[0] // 2
+        local = _full(key)[tp * rows : (tp + 1) * rows].clone()
+        if blank:
+            local.zero_()
+        offsets = (tp * rows,) + (0,) * (len(shape) - 1)
+        state[key] = ts.Sharded(local, global_shape=shape, offsets=offsets)
+    return state
+
+
+LAYOUTS = {"ddp": _ddp_state, "mesh": _mesh_state}
+
+
+def _count_reads() -> list[int]:
+    """Bytes this process reads from the snapshot's storage, counted by the backend."""
+    from trainsnap.storage.posix import PosixStorage
+
+    counted = [0]
+    get, read_into = PosixStorage.get, PosixStorage.read_into
+
+    def counting_get(self: Any, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data: bytes = get(self, key, start, end)
+        counted[0] += len(data)
+        return data
+
+    def counting_read_into(self: Any, key: str, start: int, out: memoryview) -> None:
+        read_into(self, key, start, out)
+        counted[0] += len(out)
+
+    PosixStorage.get = counting_get  # type: ignore[method-assign]
+    PosixStorage.read_into = counting_read_into  # type: ignore[method-assign]
+    return counted
+
+
+def _save(rank: int, world: int, root: str, layout: str) -> None:
+    ts.save(LAYOUTS[layout](rank, blank=False), root, step=5, timeout=60)
+
+
+def _load(rank: int, world: int, root: str, layout: str) -> int:
+    ts.load(LAYOUTS[layout](rank, blank=True), root, timeout=60)  # imports, warm-up
+    state = LAYOUTS[layout](rank, blank=True)
+    counted = _count_reads()
+    ts.load(state, root, timeout=60)
+    read = counted[0]
+    want = LAYOUTS[layout](rank, blank=False)
+    for key, value in want.items():
+        got = state[key].local if isinstance(value, ts.Sharded) else state[key]
+        expected = value.local if isinstance(value, ts.Sharded) else value
+        assert torch.equal(got, expected), key
+    return read
+
+
+def _stored(root: str) -> int:
+    return ts.list_snapshots(root)[-1].nbytes
+
+
+@pytest.mark.parametrize("layout", ["ddp", "mesh"])
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_replicas_read_each_stored_byte_about_once(tmp_path: Any, layout: str, shared: str) -> None:
+    root = str(tmp_path)
+    assert_all_ok(run_ranks(_save, 4, args=(root, layout), timeout=90))
+    env = {"TRAINSNAP_REPLICA_READS": shared}
+    reads = assert_all_ok(run_ranks(_load, 4, args=(root, layout), timeout=120, env=env))
+    ratio = sum(reads) / _stored(root)
+    replicas = 4 if layout == "ddp" else 2
+    if shared == "1":
+        assert ratio <= 1.3, (ratio, reads)
+    else:  # the switch off: every replica reads everything it needs itself
+        assert ratio >= 0.9 * replicas, (ratio, reads)
+
+
+def test_the_split_cuts_the_stored_order_into_even_runs_never_inside_a_block() -> None:
+    sizes = [5, 100, 90, 50, 40, 30, 10, 20, 60]  # k0, stored last, shares a block
+    # One object, blocks of 10 bytes, tensors stored back to back in reverse key order.
+    places, offset = {}, 0
+    for i in reversed(range(len(sizes))):
+        places[f"k{i}"] = (0, offset, 0, offset + sizes[i])
+        offset += sizes[i]
+    work = [(k, torch.zeros(sizes[int(k[1:])], dtype=torch.uint8), p) for k, p in places.items()]
+    owners = [split(Replicas((0, 1, 2), r, None), work, 10) for r in range(3)]
+    assert owners[0] == owners[1] == owners[2]
+    stored = sorted(places, key=lambda k: places[k])
+    runs = [owners[0][k] for k in stored]
+    assert runs == sorted(runs) and len(set(runs)) == 3, runs  # one contiguous run each
+    blocks: dict[int, set[int]] = {}
+    for k in stored:
+        _, start, _, end = places[k]
+        for block in range(start // 10, (end - 1) // 10 + 1):
+            blocks.setdefault(block, set()).add(owners[0][k])
+    assert all(len(readers) == 1 for readers in blocks.values()), blocks
+    one_block = split(Replicas((0, 1), 0, None), [(k, t, (0, 0, 0, 8)) for k, t, _ in work], 100)
+    assert set(one_block.values()) == {0}  # all in one block: one reader
+
+
+def _load_with_a_death(rank: int, world: int, root: str) -> str:
+    state = _ddp_state(rank, blank=True)
+    started = time.monotonic()
+    try:
+        ts.load(state, root, timeout=60)
+    except ts.TrainsnapError as e:
+        return f"failed after {time.monotonic() - started:.1f}s: {type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_replica_killed_during_the_exchange_is_named_by_every_survivor(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    assert_all_ok(run_ranks(_save, 4, args=(root, "ddp"), timeout=90))
+    env = {"TRAINSNAP_HEARTBEAT_SECONDS": "5"}
+    rank_env = {2: {"TRAINSNAP_FAULTS": "replica_exchange=crash"}}
+    results = run_ranks(
+        _load_with_a_death, 4, args=(root,), timeout=120, env=env, rank_env=rank_env
+    )
+    assert results[2].killed
+    for r in (0, 1, 3):
+        text = results[r].value
+        assert text is not None and text.startswith("failed"), (r, results[r])
+        assert "rank 2" in text, text
+        seconds = float(text.split()[2].rstrip("s:"))
+        assert seconds < 30, text
