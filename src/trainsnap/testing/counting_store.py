@@ -36,13 +36,19 @@ class StoreCounts:
         self.received: Counter[str] = Counter()
         self.clients = 0
         """Clients connected (clones made), the first one included."""
+        self.sent_by_tag: Counter[str] = Counter()
+        """Bytes written (set, multi_set) by the exchange tag of the key (its third segment,
+        ``<namespace>/<session>/<tag>/...``), so that a gather's share can be told apart."""
 
-    def record(self, method: str, sent: int, received: int) -> None:
+    def record(self, method: str, sent: int, received: int, key: str = "") -> None:
         kind = "heartbeat" if threading.current_thread().name == HEARTBEAT_THREAD else "exchange"
+        parts = key.split("/", 3)
         with self._lock:
             self.ops[kind, method] += 1
             self.sent[kind] += sent
             self.received[kind] += received
+            if method in ("set", "multi_set") and len(parts) > 3:
+                self.sent_by_tag[parts[2]] += sent
 
     def total(self, kind: str | None = None) -> int:
         """Operations made (by one thread kind, or all)."""
@@ -60,6 +66,7 @@ class StoreCounts:
                 "sent": dict(self.sent),
                 "received": dict(self.received),
                 "clients": self.clients,
+                "sent_by_tag": dict(self.sent_by_tag),
             }
 
 
@@ -84,7 +91,7 @@ class CountingStore:
         return self._store.timeout
 
     def set(self, key: str, value: Any) -> None:
-        self.counts.record("set", _size(key) + _size(value), 0)
+        self.counts.record("set", _size(key) + _size(value), 0, key)
         self._store.set(key, value)
 
     def get(self, key: str) -> bytes:
@@ -119,7 +126,8 @@ class CountingStore:
         return values
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self.counts.record("multi_set", sum(map(_size, keys)) + sum(map(_size, values)), 0)
+        sent = sum(map(_size, keys)) + sum(map(_size, values))
+        self.counts.record("multi_set", sent, 0, keys[0] if keys else "")
         self._store.multi_set(keys, values)
 
     def num_keys(self) -> int:
