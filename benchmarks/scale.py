@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info() | {"loadavg_start": load_average()}
     print(facts("machine", machine), flush=True)
     summaries = []
-    for ranks in [int(n) for n in str(args.ranks).split(",")]:
+    worlds = [int(n) for n in str(args.ranks).split(",")]
+    for ranks in worlds:
         world = world_of(ranks, args.tp, args.pp, args.params_per_stage)
         print(
             f"control plane simulation: {world.size} ranks (TP {world.tp} x PP {world.pp} x "
@@ -401,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["run_s"] = time.perf_counter() - started
         print(f"  done in {summary['run_s']:.0f} s", flush=True)
         summaries.append(summary)
+        if len(summaries) < len(worlds):  # so far, in case a larger world never ends
+            print(report(summaries)[0], flush=True)
     table, checks = report(summaries)
     text = "\n".join(
         ["", "== control plane at scale", table, "", "== targets", verdicts(checks, digits=3)]
