@@ -130,6 +130,27 @@ def test_planner_sim(tmp_path: Path) -> None:
     assert sim["cached_send_bytes_max"] < 1024 < sim["full_send_bytes_median"]
 
 
+def test_scale(tmp_path: Path) -> None:
+    """16 logical ranks over one TCPStore: two saves (the second from the cached plan) and a
+    load through the real protocols, every figure reported."""
+    text, out = run_benchmark("scale", tmp_path)
+    (summary,) = out["summaries"]
+    assert summary["world"] == 16 and summary["manifest_size"] > 0
+    for phase in ("first save", "cached save", "load"):
+        assert summary[phase]["errors"] == 0, summary[phase]["first_error"]
+    cached = summary["cached save"]
+    assert 0 < cached["meta_sent_rank_max"] < summary["first save"]["meta_sent_rank_max"]
+    assert summary["load"]["manifest_read_bytes"] > 0
+    assert_verdicts(
+        text,
+        [
+            "16-rank cached save: of which its description (max)",
+            "16-rank cached save: coordinator ingest (MiB)",
+            "16-rank load: manifest bytes read / manifest size",
+        ],
+    )
+
+
 def _assert_compression(out: dict[str, Any]) -> None:
     results = out["results"]
     assert len(results) == 12  # 4 kinds x 3 codecs

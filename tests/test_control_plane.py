@@ -26,12 +26,14 @@ from torch.distributed import TCPStore
 
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.protocol.control_plane import (
+    INLINE_MAX,
     LocalComm,
     PeerLost,
     StoreComm,
     StoreSession,
     Timeouts,
 )
+from trainsnap.testing.counting_store import CountingStore
 
 ALIVE = Timeouts(exchange=60.0, heartbeat=30.0, beat_every=0.05)
 """Every rank alive: nothing is declared lost, however slow a connect."""
@@ -346,3 +348,133 @@ def test_peer_lost_is_a_trainsnap_error_carrying_every_lost_rank() -> None:
     assert isinstance(err, TrainsnapError) and isinstance(err, CommitFailedError)
     assert err.ranks == {3: "gone", 1: "hung"} and err.rank_errors == err.ranks
     assert str(err) == "2 rank(s) did not deliver\n  - rank 1: hung\n  - rank 3: gone"
+
+
+# -- what it costs the store -----------------------------------------------------------------------
+
+
+def test_the_beat_interval_derives_from_the_heartbeat_timeout_unless_given() -> None:
+    assert Timeouts().beat_interval == 3.0  # 60 s / 20: one operation per rank every 3 s
+    assert Timeouts(heartbeat=30.0).beat_interval == 2.0  # the floor
+    assert Timeouts(heartbeat=4.0).beat_interval == 1.0  # short timeouts: a quarter of them
+    assert Timeouts(heartbeat=600.0).beat_interval == 30.0
+    assert Timeouts(heartbeat=60.0, beat_every=0.05).beat_interval == 0.05
+
+
+def counted(store: tuple[TCPStore, list[TCPStore]], world: int) -> tuple[list[CountingStore], str]:
+    """A counting client per rank (over the module's clients), in a namespace of its own."""
+    return [CountingStore(client) for client in store[1][:world]], f"test-{uuid.uuid4().hex[:8]}"
+
+
+def on_threads(comms: list[StoreComm], body: Callable[[StoreComm], Any]) -> list[Any]:
+    with ThreadPoolExecutor(max_workers=len(comms)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(body, c) for c in comms]]
+
+
+def test_waiting_costs_no_polls_and_liveness_one_bulk_scan_a_beat(
+    store: tuple[TCPStore, list[TCPStore]],
+) -> None:
+    """The coordinator waits 1.2 s for a slow rank: its exchange client makes a fixed handful
+    of operations whatever the wait (no polling), its heartbeat thread about one beat and one
+    bulk scan of the one pending rank each interval, and the ranks waiting for the
+    coordinator's answer as few."""
+    world, slow, beat, hold = 4, 3, 0.1, 1.2
+    clients, namespace = counted(store, world)
+    timeouts = Timeouts(exchange=60.0, heartbeat=30.0, beat_every=beat)
+    comms = [
+        StoreComm(clients[r], r, world, namespace=namespace, timeouts=timeouts)
+        for r in range(world)
+    ]
+    joined = threading.Barrier(world)
+
+    def body(c: StoreComm) -> Any:
+        session = c.session("save")
+        try:
+            joined.wait(30)
+            if c.rank == slow:
+                time.sleep(hold)
+            gathered = session.gather("report", c.rank)
+            return gathered, session.broadcast("outcome", "committed" if gathered else None)
+        finally:
+            session.close()
+
+    out = on_threads(comms, body)
+    assert out[0] == ([0, 1, 2, 3], "committed") and out[1] == (None, "committed")
+    intervals = hold / beat
+    for rank, client in enumerate(clients):
+        counts = client.counts
+        exchange, heartbeat = counts.total("exchange"), counts.total("heartbeat")
+        # open (1 add), gather (set, add), wait, get, delete, and the rest fixed: no polling
+        assert exchange <= 12, (rank, counts.snapshot())
+        # each interval: one beat, and while waiting one scan (a check and a read of a key)
+        assert heartbeat <= 4 * intervals + 8, (rank, counts.snapshot())
+        assert counts.ops["heartbeat", "add"] >= 0.5 * intervals, (rank, counts.snapshot())
+
+
+def test_sessions_reuse_their_store_clients(store: tuple[TCPStore, list[TCPStore]]) -> None:
+    """A job connects a session's two clients once, not once per save."""
+    world = 2
+    clients, namespace = counted(store, world)
+    comms = [StoreComm(clients[r], r, world, namespace=namespace, timeouts=ALIVE) for r in (0, 1)]
+
+    def body(c: StoreComm) -> Any:
+        return [in_session(c, lambda s, n=n: s.broadcast("plan", n)) for n in range(3)]
+
+    assert on_threads(comms, body) == [[0, 1, 2]] * 2
+    assert [client.counts.clients for client in clients] == [3, 3]  # the rank's own and two
+
+
+def test_a_gather_nobody_answers_and_a_large_broadcast_leave_no_keys_behind(run: Any) -> None:
+    """The coordinator removes the reports of a gather it never answered (each rank removes its
+    own once answered); the last reader removes a broadcast too large to copy to every rank."""
+    master = run.master
+    before = master.num_keys()
+    large = b"\x01" * (4 * INLINE_MAX)
+
+    def body(c: StoreComm) -> Any:
+        plan = in_session(c, lambda s: s.broadcast("plan", large if c.is_coordinator else None))
+        return plan, in_session(c, lambda s: s.gather("meta", c.rank))
+
+    out = run(4, body)
+    assert out[0] == (large, [0, 1, 2, 3]) and out[3] == (large, None)
+    assert master.num_keys() == before
+
+
+def test_a_killed_rank_is_named_within_the_heartbeat_timeout_at_the_derived_interval(
+    run: Any,
+) -> None:
+    """No beat interval given: 1 s heartbeat, a beat every 0.25 s. A rank that joined and then
+    stopped (as a killed process does) is named about a heartbeat timeout later, among ranks
+    that keep beating; the others get the failure from the coordinator."""
+    timeouts = Timeouts(exchange=60.0, heartbeat=1.0)
+    world, killed = 4, 2
+    joined = threading.Barrier(world)
+    coordinator_done = threading.Event()
+
+    def body(c: StoreComm) -> Any:
+        session = beating(run.master, c.session("save"))
+        try:
+            if c.rank == killed:
+                session._stop.set()
+                session._beater.join()
+                joined.wait(30)
+                coordinator_done.wait(30)
+                return "killed"
+            joined.wait(30)
+            result = timed(lambda: session.gather("report", c.rank))
+            if c.is_coordinator:
+                failed = result[0] if isinstance(result[0], PeerLost) else None
+                session.broadcast("outcome", None if failed is None else failed.ranks)
+                return result
+            return session.broadcast("outcome")
+        finally:
+            if c.is_coordinator:
+                coordinator_done.set()
+            session.close()
+
+    out = run(world, body, timeouts=timeouts)
+    err, seconds = out[0]
+    assert isinstance(err, PeerLost) and list(err.ranks) == [killed], err
+    assert "no sign of life" in err.ranks[killed]
+    assert timeouts.heartbeat * 0.9 <= seconds < timeouts.heartbeat + 2 * 0.25 + 1.0
+    assert out[1] == out[3] == err.ranks

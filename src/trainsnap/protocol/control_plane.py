@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 from trainsnap import tunables
@@ -62,13 +63,14 @@ class Session(Protocol):
         ...
 
     def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
-        """(coordinator) Make ``obj`` fetchable under ``name`` by ``readers`` other ranks:
-        one copy in the store however many ranks fetch it."""
+        """(coordinator) Make ``obj`` fetchable under ``name`` by ``readers`` other ranks: one
+        copy in the store however many ranks fetch it. Publish before a broadcast that tells
+        the readers to fetch."""
         ...
 
     def fetch(self, tag: str, name: str) -> Any:
-        """What the coordinator published under ``name`` (waits for it, watching the
-        coordinator's heartbeat)."""
+        """What the coordinator published under ``name``; call it only once a broadcast sent
+        after the publish has been received (the object is then there)."""
         ...
 
     def close(self) -> None: ...
@@ -121,11 +123,26 @@ class Timeouts:
     can keep ranks writing for a long time)."""
     heartbeat: float = 60.0
     """A peer whose heartbeat did not change for this long is taken as dead."""
-    beat_every: float = 1.0
+    beat_every: float | None = None
+    """Seconds between two beats of a rank, and between two liveness scans of a waiting one.
+    None: derived from ``heartbeat`` (see :attr:`beat_interval`)."""
+
+    @property
+    def beat_interval(self) -> float:
+        """``beat_every``, or ``heartbeat / 20`` but at least 2 s (at most ``heartbeat / 4``):
+        one store operation per rank every 3 s at the default 60 s, so that 10,000 ranks beat
+        at 3,300 operations per second on one store, and a dead rank is named within the
+        heartbeat timeout plus two beats."""
+        if self.beat_every is not None:
+            return self.beat_every
+        return max(self.heartbeat / 20, min(2.0, self.heartbeat / 4))
 
 
 class StoreComm:
-    """Control plane over a ``torch.distributed`` store, namespaced under ``trainsnap/``."""
+    """Control plane over a ``torch.distributed`` store, namespaced under ``trainsnap/``.
+
+    Its sessions' store clients (two a session: one that waits, one that beats) are kept for
+    the next session, so that a job connects them once, not once per save."""
 
     def __init__(
         self,
@@ -145,6 +162,7 @@ class StoreComm:
         self.namespace = namespace
         self._seq = 0
         self._lock = threading.Lock()
+        self._idle_clients: dict[str, list[Any]] = {"wait": [], "beat": []}
 
     @property
     def is_coordinator(self) -> bool:
@@ -156,115 +174,282 @@ class StoreComm:
             seq = self._seq
         return StoreSession(self, f"{self.namespace}/{seq}-{name}")
 
+    def _client(self, role: str) -> Any:
+        """A store client of its own for ``role`` (``wait``: a session's exchanges; ``beat``:
+        its heartbeat thread): the caller's may be in use on another thread. The caller's store
+        where it cannot be cloned."""
+        with self._lock:
+            if self._idle_clients[role]:
+                return self._idle_clients[role].pop()
+        if not hasattr(self.store, "clone"):
+            return self.store
+        client = self.store.clone()
+        if role == "beat":
+            # A scan never blocks for long on a heartbeat key deleted under it (a rank closing).
+            _set_timeout(client, max(5.0, 2 * self.timeouts.beat_interval))
+        return client
+
+    def _release(self, role: str, client: Any) -> None:
+        if client is not self.store:
+            with self._lock:
+                self._idle_clients[role].append(client)
+
+
+# What a rank finds in a key it waits for: the first byte says what the rest is.
+_INLINE = b"I"  # the pickled object follows
+_SHARED = b"S"  # the object is in the exchange's shared key (too large to copy to every rank)
+_READY = b"R"  # every rank has reported (the coordinator's wake-up of a gather)
+_LOST = b"L"  # this rank's own monitor gave up waiting (see _Wait.lost)
+_ABSENT = b"\x00absent"  # compare_set's answer for a key that does not exist
+INLINE_MAX = 512
+"""A broadcast object up to this many pickled bytes is copied into every rank's key (one
+operation for the coordinator, one read per rank); a larger one is read from a shared key."""
+
+
+@dataclass(slots=True)
+class _Wait:
+    """One rank's wait in progress, as its monitor (the heartbeat thread) sees it."""
+
+    key: str
+    """The key whose appearance ends the wait."""
+    what: str
+    pending: Callable[[Any], list[int]]
+    """The ranks that have not yet delivered, read with the given client."""
+    started: float
+    lost: dict[int, str] | None = None
+    """Set by the monitor, which then writes ``_LOST`` into ``key`` if nothing is there yet."""
+
 
 class StoreSession:
-    """One save's or load's exchanges. Publishes this rank's heartbeat until closed."""
+    """One save's or load's exchanges. Publishes this rank's heartbeat until closed.
+
+    Waiting costs the store nothing while it lasts: a waiting rank blocks in the store's
+    ``wait`` on one key of its own, which the event it waits for sets (the last report of a
+    gather sets the coordinator's; a broadcast or scatter sets every rank's, in one
+    ``multi_set``). Liveness is the heartbeat thread's job: once a beat interval, while its
+    rank waits, it reads in bulk (``check``, ``multi_get``) the heartbeats of the ranks still
+    awaited, and wakes its rank (writing ``_LOST`` into that key) when one has been silent for
+    the heartbeat timeout, or the exchange timed out.
+    """
 
     def __init__(self, comm: StoreComm, names: str) -> None:
         self.c = comm
         self.ns = names
         # A client of our own: the session may run on a background thread while the training
         # thread uses the original client.
-        self.store = comm.store.clone() if hasattr(comm.store, "clone") else comm.store
+        self.store = comm._client("wait")
+        self._lock = threading.Lock()
+        self._waiting: _Wait | None = None
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        """Each awaited rank's heartbeat as last read, and since when it has had that value."""
+        self._unread: list[str] = []
+        """This rank's reports the coordinator may not have read yet: each rank removes its
+        own once the coordinator answers (it answers only once it has read them), so that the
+        coordinator does not spend an operation per rank on removing them."""
+        self._unanswered: list[str] = []
+        """(coordinator) The gathers read since it last answered: nobody has learnt that their
+        reports were read, so the coordinator removes those itself when it closes."""
+        self._closed = False
         self._stop = threading.Event()
-        self._beat_key = f"{names}/hb/{comm.rank}"
+        self._beat_key = self._heartbeat_key(comm.rank)
         self.store.add(self._beat_key, 1)
         self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat", daemon=True)
         self._beater.start()
 
-    def _beat(self) -> None:
-        store = self.c.store.clone() if hasattr(self.c.store, "clone") else self.store
-        while not self._stop.wait(self.c.timeouts.beat_every):
-            try:
-                store.add(self._beat_key, 1)
-            except Exception:  # the store is gone: waiting peers will notice our silence
-                return
+    def _heartbeat_key(self, rank: int) -> str:
+        return f"{self.ns}/hb/{rank}"
 
     def close(self) -> None:
-        """Stop beating and drop this rank's heartbeat key: nobody waits on a rank that has
-        learnt the outcome, and a long job must not grow the store by a key per save."""
+        """Stop beating and drop this rank's keys: nobody waits on a rank that has learnt the
+        outcome, and a long job must not grow the store by a key per save."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._beater.join(timeout=5)
+        # A report the coordinator may still read stays (its rank is leaving early; the
+        # coordinator removes it at its own close if it never answered that gather).
+        unanswered = [
+            f"{base}/{r}"
+            for base in self._unanswered
+            for r in range(self.c.world_size)
+            if r != self.c.rank
+        ]
         try:
-            self.store.delete_key(self._beat_key)
+            for key in [*unanswered, self._beat_key]:
+                self.store.delete_key(key)
         except Exception:
-            log.debug("could not delete %s", self._beat_key, exc_info=True)
+            log.debug("could not delete the keys of %s", self.ns, exc_info=True)
+        self._unread = self._unanswered = []
+        self.c._release("wait", self.store)
 
-    # -- waiting with liveness --------------------------------------------------------------
+    # -- liveness (the heartbeat thread) ----------------------------------------------------
 
-    def _wait_for(self, ready: Callable[[], list[int]], ranks: list[int], what: str) -> None:
-        """Wait until ``ready()`` returns no pending rank. Pending ranks whose heartbeat stops
-        are declared lost; so is everyone pending when the exchange timeout expires."""
-        t = self.c.timeouts
-        start = time.monotonic()
-        last_beat: dict[int, tuple[int, float]] = {}
-        delay = 0.001
-        pending = ready()
-        while pending:
-            now = time.monotonic()
-            lost: dict[int, str] = {}
-            for r in pending:
-                beat = self._beat_of(r)
-                prev = last_beat.get(r)
-                if prev is None or prev[0] != beat:
-                    last_beat[r] = (beat, now)
-                elif now - prev[1] > t.heartbeat:
-                    lost[r] = (
-                        f"no sign of life for {now - prev[1]:.0f} s while the others waited for "
-                        f"its {what} (process killed, hung or unreachable)"
+    def _beat(self) -> None:
+        interval = self.c.timeouts.beat_interval
+        store = self.c._client("beat")
+        failing = False
+        try:
+            while not self._stop.wait(interval):
+                try:
+                    store.add(self._beat_key, 1)
+                    self._scan(store)
+                    failing = False
+                except Exception:  # keep beating: the store may answer again
+                    log.log(
+                        logging.DEBUG if failing else logging.WARNING,
+                        "trainsnap heartbeat of %s failed",
+                        self._beat_key,
+                        exc_info=True,
                     )
-            if not lost and now - start > t.exchange:
-                lost = {r: f"no {what} within the {t.exchange:.0f} s timeout" for r in pending}
-            if lost:
-                raise PeerLost(f"{len(lost)} rank(s) did not deliver their {what}", lost)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-            pending = ready()
+                    failing = True
+        finally:
+            self.c._release("beat", store)
 
-    def _beat_of(self, result: int) -> int:
-        key = f"{self.ns}/hb/{result}"
-        if not self.store.check([key]):
-            return 0
-        return int(self.store.add(key, 0))
+    def _scan(self, store: Any) -> None:
+        with self._lock:
+            wait = self._waiting
+        if wait is None:
+            return
+        now = time.monotonic()
+        pending = wait.pending(store)
+        if not pending:
+            return  # the last of them is delivering: the waiter is about to wake
+        lost = self._silent(store, pending, now, wait.what)
+        t = self.c.timeouts
+        if not lost and now - wait.started > t.exchange:
+            lost = {r: f"no {wait.what} within the {t.exchange:.0f} s timeout" for r in pending}
+        if lost:
+            with self._lock:
+                if self._waiting is wait:
+                    wait.lost = lost
+                    # Never over a real answer: compare_set writes only where nothing is yet.
+                    store.compare_set(wait.key, "", _LOST)
+
+    def _silent(self, store: Any, ranks: list[int], now: float, what: str) -> dict[int, str]:
+        """The ranks among ``ranks`` whose heartbeat has not changed for the heartbeat timeout."""
+        lost: dict[int, str] = {}
+        beats = _read_all(store, [self._heartbeat_key(r) for r in ranks])
+        for rank, beat in zip(ranks, beats, strict=True):
+            previous = self._seen.get(rank)
+            if previous is None or previous[0] != beat:
+                self._seen[rank] = (beat, now)
+            elif now - previous[1] > self.c.timeouts.heartbeat:
+                lost[rank] = (
+                    f"no sign of life for {now - previous[1]:.0f} s while the others waited for "
+                    f"its {what} (process killed, hung or unreachable)"
+                )
+        return lost
+
+    # -- waiting ----------------------------------------------------------------------------
+
+    def _await(self, key: str, what: str, pending: Callable[[Any], list[int]]) -> bytes:
+        """The value ``key`` takes, once it is set; deletes it. Raises :class:`PeerLost` when
+        the monitor finds a pending rank dead or the exchange timed out."""
+        t = self.c.timeouts
+        wait = _Wait(key, what, pending, time.monotonic())
+        with self._lock:
+            self._waiting = wait
+        # The monitor normally ends the wait at the exchange timeout; this is the backstop.
+        backstop = t.exchange + t.heartbeat + 4 * t.beat_interval
+        try:
+            self.store.wait([key], timedelta(seconds=backstop))
+        except Exception as e:
+            if time.monotonic() - wait.started < backstop:
+                raise
+            ranks = {
+                r: f"no {what} within the {t.exchange:.0f} s timeout" for r in pending(self.store)
+            }
+            raise PeerLost(f"{len(ranks)} rank(s) did not deliver their {what}", ranks) from e
+        finally:
+            with self._lock:
+                self._waiting = None
+        value = bytes(self.store.get(key))
+        self.store.delete_key(key)
+        if value == _LOST:
+            assert wait.lost
+            raise PeerLost(f"{len(wait.lost)} rank(s) did not deliver their {what}", wait.lost)
+        return value
+
+    def _receive(self, tag: str) -> Any:
+        """The coordinator's object for this rank under ``tag`` (broadcast or scatter)."""
+        base = f"{self.ns}/{tag}"
+        coordinator = self.c.coordinator
+        value = self._await(
+            f"{base}/to/{self.c.rank}", f"decision on {tag!r}", lambda _: [coordinator]
+        )
+        # The coordinator sends only after it has read every report before: they can go.
+        for key in self._unread:
+            self.store.delete_key(key)
+        self._unread = []
+        if value[:1] == _INLINE:
+            return pickle.loads(value[1:])
+        assert value == _SHARED, value[:16]
+        shared = f"{base}/shared"
+        data = self.store.get(shared)
+        if int(self.store.add(f"{shared}/reads", 1)) == self.c.world_size - 1:
+            self.store.delete_key(shared)  # the last reader removes it
+            self.store.delete_key(f"{shared}/reads")
+        return pickle.loads(data)
+
+    def _send(self, keys: list[str], values: list[bytes]) -> None:
+        """(coordinator) Answer: set every other rank's key in one operation."""
+        if keys:
+            self.store.multi_set(keys, values)
+        self._unanswered = []
+
+    def _others(self, base: str) -> tuple[list[int], list[str]]:
+        ranks = [r for r in range(self.c.world_size) if r != self.c.rank]
+        return ranks, [f"{base}/to/{r}" for r in ranks]
 
     # -- exchanges ----------------------------------------------------------------------------
 
     def gather(self, tag: str, obj: Any) -> list[Any] | None:
         base = f"{self.ns}/{tag}"
-        self.store.set(f"{base}/{self.c.rank}", pickle.dumps(obj))
-        self.store.add(f"{base}/count", 1)
+        world = self.c.world_size
+        mine = f"{base}/{self.c.rank}"
+        self.store.set(mine, pickle.dumps(obj))
+        if int(self.store.add(f"{base}/count", 1)) == world:
+            self.store.set(f"{base}/done", _READY)  # the last to report wakes the coordinator
         if not self.c.is_coordinator:
+            self._unread.append(mine)
             return None
-        ranks = list(range(self.c.world_size))
+        keys = [f"{base}/{r}" for r in range(world)]
+        awaited = list(range(world))
 
-        def pending() -> list[int]:
-            if int(self.store.add(f"{base}/count", 0)) >= self.c.world_size:
-                return []
-            return [r for r in ranks if not self.store.check([f"{base}/{r}"])]
+        def pending(store: Any) -> list[int]:
+            nonlocal awaited
+            here = _present(store, [keys[r] for r in awaited])
+            awaited = [r for r, there in zip(awaited, here, strict=True) if not there]
+            return awaited
 
-        self._wait_for(pending, ranks, f"report for {tag!r}")
-        keys = [f"{base}/{r}" for r in ranks]
+        self._await(f"{base}/done", f"report for {tag!r}", pending)
         out = [pickle.loads(v) for v in self.store.multi_get(keys)]
-        for k in [*keys, f"{base}/count"]:
-            self.store.delete_key(k)
+        self.store.delete_key(mine)
+        self.store.delete_key(f"{base}/count")
+        self._unanswered.append(base)
         return out
 
     def broadcast(self, tag: str, obj: Any = None) -> Any:
-        key = f"{self.ns}/{tag}/result"
-        if self.c.is_coordinator:
-            self.store.set(key, pickle.dumps(obj))
-            return obj
-        return self._receive(key, tag)
+        if not self.c.is_coordinator:
+            return self._receive(tag)
+        base = f"{self.ns}/{tag}"
+        _, keys = self._others(base)
+        data = pickle.dumps(obj)
+        if len(data) <= INLINE_MAX:
+            self._send(keys, [_INLINE + data] * len(keys))
+        else:
+            self.store.set(f"{base}/shared", data)
+            self._send(keys, [_SHARED] * len(keys))
+        return obj
 
     def scatter(self, tag: str, objs: list[Any] | None = None) -> Any:
-        base = f"{self.ns}/{tag}/to"
-        if self.c.is_coordinator:
-            assert objs is not None and len(objs) == self.c.world_size
-            for r, o in enumerate(objs):
-                if r != self.c.rank:
-                    self.store.set(f"{base}/{r}", pickle.dumps(o))
-            return objs[self.c.rank]
-        return self._receive(f"{base}/{self.c.rank}", tag, delete=True)
+        if not self.c.is_coordinator:
+            return self._receive(tag)
+        assert objs is not None and len(objs) == self.c.world_size
+        ranks, keys = self._others(f"{self.ns}/{tag}")
+        self._send(keys, [_INLINE + pickle.dumps(objs[r]) for r in ranks])
+        return objs[self.c.rank]
 
     def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
         if readers > 0:
@@ -272,29 +457,40 @@ class StoreSession:
 
     def fetch(self, tag: str, name: str) -> Any:
         key = f"{self.ns}/{tag}/pub/{name}"
-        coord = self.c.coordinator
-        self._wait_for(
-            lambda: [] if self.store.check([key]) else [coord], [coord], f"decision on {tag!r}"
-        )
         readers, value = pickle.loads(self.store.get(key))
-        if int(self.store.add(f"{key}/acks", 1)) == readers:  # the last reader removes it
+        if int(self.store.add(f"{key}/reads", 1)) == readers:  # the last reader removes it
             self.store.delete_key(key)
-            self.store.delete_key(f"{key}/acks")
+            self.store.delete_key(f"{key}/reads")
         return value
 
-    def _receive(self, key: str, tag: str, delete: bool = False) -> Any:
-        coord = self.c.coordinator
-        self._wait_for(
-            lambda: [] if self.store.check([key]) else [coord], [coord], f"decision on {tag!r}"
-        )
-        value = pickle.loads(self.store.get(key))
-        if delete:
-            self.store.delete_key(key)
-        elif int(self.store.add(f"{key}/acks", 1)) == self.c.world_size - 1:
-            # The last reader of a broadcast removes it.
-            self.store.delete_key(key)
-            self.store.delete_key(f"{key}/acks")
-        return value
+
+def _set_timeout(store: Any, seconds: float) -> None:
+    try:
+        store.set_timeout(timedelta(seconds=seconds))
+    except Exception:  # a store without timeouts: nothing to bound
+        log.debug("store %r takes no timeout", store, exc_info=True)
+
+
+def _present(store: Any, keys: list[str]) -> list[bool]:
+    """Which of ``keys`` exist, by bisection with ``check`` (which answers for all the keys it
+    is given): one operation when all exist, about 2 m log2(n / m) when m of n do not."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return [True] * len(keys)
+    if len(keys) == 1:
+        return [False]
+    half = len(keys) // 2
+    return _present(store, keys[:half]) + _present(store, keys[half:])
+
+
+def _read_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, ``_ABSENT`` for a key that does not exist, in few operations."""
+    if len(keys) == 1:  # compare_set reads one key without creating it
+        return [bytes(store.compare_set(keys[0], _ABSENT, _ABSENT))]
+    here = _present(store, keys)
+    found = iter(store.multi_get([k for k, there in zip(keys, here, strict=True) if there]))
+    return [bytes(next(found)) if there else _ABSENT for there in here]
 
 
 # -- choosing -------------------------------------------------------------------------------------
