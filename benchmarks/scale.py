@@ -207,6 +207,10 @@ def summarize(results: dict[str, Any], manifest_size: int) -> dict[str, Any]:
             "coordinator_cpu_s": coordinator["cpu_s"],
             "rank_cpu_median": _median([rec["cpu_s"] for rec in others]),
             "rank_cpu_max": max((rec["cpu_s"] for rec in others), default=0.0),
+            "planning_cpu_median": _median([rec.get("planning_cpu_s", 0.0) for rec in others]),
+            "planning_cpu_max": max(
+                (rec.get("planning_cpu_s", 0.0) for rec in others), default=0.0
+            ),
             "beats_rank_s": beats / len(records) / wall,
             "heartbeat_ops_rank_s": liveness / len(records) / wall,
             "coordinator_plan_s": phase["plan_s"][-1]
@@ -287,7 +291,9 @@ def _row_sources() -> list[tuple[str, str, Any, str | None]]:
         # Each rank's own work (thread CPU time: its wall time is mostly its turn at the GIL
         # among the worker's threads): receiving its part, planning, reading, applying.
         ("load: rank CPU, whole load, median (s)", "load", lambda s: s["rank_cpu_median"], None),
-        ("load: rank CPU, whole load, max (s)", "load", lambda s: s["rank_cpu_max"], "load_plan"),
+        ("load: rank CPU, whole load, max (s)", "load", lambda s: s["rank_cpu_max"], None),
+        ("load: rank CPU, planning, median (s)", "load", lambda s: s["planning_cpu_median"], None),
+        ("load: rank CPU, planning, max (s)", "load", lambda s: s["planning_cpu_max"], "load_plan"),
         ("load: store ops per rank (max)", "load", lambda s: s["ops_rank_max"], None),
         ("load: bytes received per rank (max)", "load", lambda s: s["received_rank_max"], None),
         ("load: coordinator ingest (B)", "load", lambda s: s["coordinator_ingest"], None),

@@ -148,9 +148,11 @@ class Worker:
         self.comms: dict[int, StoreComm] = {}
         self.thread_rank: dict[int, int] = {}
         self.plan_seconds: list[float] = []
+        self.planning_cpu: dict[int, float] = {}
         trace.enable(rank=ranks.start)
         if 0 in ranks:
             self._time_coordinator_plan()
+        self._time_load_planning()
 
     def _time_coordinator_plan(self) -> None:
         """Time the coordinator's planning (``save_protocol._coordinator_plan``) apart from the
@@ -165,6 +167,30 @@ class Worker:
                 self.plan_seconds.append(time.perf_counter() - start)
 
         save_protocol._coordinator_plan = timed_plan  # type: ignore[assignment]
+
+    def _time_load_planning(self) -> None:
+        """Each rank's CPU time (its thread's) in the load's planning: getting its part of the
+        manifest (wants, digest, unpickling; waiting costs no CPU), the tree plan and the
+        match against its part -- not the reads."""
+        from trainsnap.protocol import load_protocol, rank_load
+
+        def timed(module: Any, name: str) -> None:
+            function = getattr(module, name)
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                start = time.thread_time()
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    ident = threading.get_ident()
+                    spent = time.thread_time() - start
+                    self.planning_cpu[ident] = self.planning_cpu.get(ident, 0.0) + spent
+
+            setattr(module, name, wrapper)
+
+        timed(load_protocol.manifest_share, "manifest_for")
+        timed(load_protocol.tree_load, "plan")
+        timed(rank_load, "match")
 
     def run(self, phase: str, step: int) -> dict[str, Any]:
         """Run ``phase`` on every rank at once; a record per rank and the worker's figures."""
@@ -236,6 +262,7 @@ class Worker:
             "error": error,
             "wall_s": time.perf_counter() - wall,
             "cpu_s": time.thread_time() - cpu,
+            "planning_cpu_s": self.planning_cpu.pop(threading.get_ident(), 0.0),
             "counts": _delta(counts, after),
         }
 
