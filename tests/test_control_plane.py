@@ -354,10 +354,10 @@ def test_peer_lost_is_a_trainsnap_error_carrying_every_lost_rank() -> None:
 
 
 def test_the_beat_interval_derives_from_the_heartbeat_timeout_unless_given() -> None:
-    assert Timeouts().beat_interval == 3.0  # 60 s / 20: one operation per rank every 3 s
-    assert Timeouts(heartbeat=30.0).beat_interval == 2.0  # the floor
+    assert Timeouts().beat_interval == 5.0  # 60 s / 12: a beat (and a scan) every 5 s
+    assert Timeouts(heartbeat=20.0).beat_interval == 2.0  # the floor
     assert Timeouts(heartbeat=4.0).beat_interval == 1.0  # short timeouts: a quarter of them
-    assert Timeouts(heartbeat=600.0).beat_interval == 30.0
+    assert Timeouts(heartbeat=600.0).beat_interval == 50.0
     assert Timeouts(heartbeat=60.0, beat_every=0.05).beat_interval == 0.05
 
 
