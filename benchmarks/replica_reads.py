@@ -1,5 +1,5 @@
-"""Bytes a restore pulls from storage when ranks hold replicas: trainsnap (replicas share their
-reads), trainsnap with sharing switched off, and torch.distributed.checkpoint, on 4 gloo ranks.
+"""Bytes a restore pulls from storage when ranks hold replicas: trainsnap with replicas sharing
+their reads, trainsnap by default, and torch.distributed.checkpoint, on 4 gloo ranks.
 
 Two layouts of the DTensor state of ``benchmarks.distributed`` (``--gib`` GiB, global):
 
@@ -12,8 +12,11 @@ process also reads the modules it imports), into zeroed destinations, the page c
 first. Each rank counts the bytes its read syscalls returned during the load (``rchar`` of
 ``/proc/self/io``: it counts file reads, not the sockets the replicas exchange over) and the
 load's time between barriers. Reported: the bytes read summed over the ranks / the bytes the
-method stored (target <= 1.3 for trainsnap), the slowest rank's load time (median), and every
-load checked bit for bit in the first repetition.
+method stored (target <= 1.3 for trainsnap-shared), the slowest rank's load time (median), and
+every load checked bit for bit in the first repetition. The ranks of this benchmark share one
+host and its page cache, so reading alone is cheaper here than on a cluster, where each node
+pulls what its ranks read from storage: ``trainsnap`` (the default, sharing only where it
+helps) does not share here, ``trainsnap-shared`` is forced to.
 
     python -m benchmarks.replica_reads                 # 0.5 GiB, 3 repetitions
     python -m benchmarks.replica_reads --smoke         # tiny: does it run?
@@ -61,13 +64,15 @@ def _specs(layout: str, gib: float) -> list[Spec]:
     return specs
 
 
-class _Alone(Trainsnap):
-    """trainsnap with replicas' read sharing switched off: every rank reads all it needs."""
+class _Shared(Trainsnap):
+    """trainsnap with replicas' read sharing forced on (``TRAINSNAP_REPLICA_READS=2``). By
+    default (1) it is on only where it helps: on one host reading a local file system the
+    page cache already shares what one replica read, so this host's default is not to share."""
 
     def load(self, destination: Any, directory: Path) -> None:
         from trainsnap import tunables
 
-        tunables.set_for_testing(dataclasses.replace(tunables.get(), replica_reads=0))
+        tunables.set_for_testing(dataclasses.replace(tunables.get(), replica_reads=2))
         try:
             super().load(destination, directory)
         finally:
@@ -75,7 +80,7 @@ class _Alone(Trainsnap):
 
 
 def _methods() -> list[Method]:
-    return [Trainsnap(), _Alone(name="trainsnap-alone"), Dcp(8, distributed=True)]
+    return [Trainsnap(), _Shared(name="trainsnap-shared"), Dcp(8, distributed=True)]
 
 
 def rank_main(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -162,14 +167,15 @@ def report(out: dict[str, Any]) -> tuple[str, list[Check]]:
                 ["method", "stored MiB", "read / stored", "load s (median)", "load s (each)"], rows
             )
         )
-        shared, alone = methods["trainsnap"], methods["trainsnap-alone"]
+        shared, default = methods["trainsnap-shared"], methods["trainsnap"]
         lines.append(
-            f"  trainsnap load time / trainsnap-alone: {shared['seconds'] / alone['seconds']:.2f}; "
-            f"/ dcp: {shared['seconds'] / methods['dcp']['seconds']:.2f}"
+            f"  load time, trainsnap-shared / trainsnap (default: this host does not share): "
+            f"{shared['seconds'] / default['seconds']:.2f}; trainsnap / dcp: "
+            f"{default['seconds'] / methods['dcp']['seconds']:.2f}"
         )
         checks.append(
             Check(
-                f"{layout}: trainsnap bytes read / stored",
+                f"{layout}: trainsnap-shared bytes read / stored",
                 shared["read_ratio"],
                 Target("<=", TARGET),
             )

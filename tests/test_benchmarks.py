@@ -151,6 +151,21 @@ def test_scale(tmp_path: Path) -> None:
     )
 
 
+def test_replica_reads(tmp_path: Path) -> None:
+    """4 ranks, both layouts: every load checked bit for bit; sharing reads each stored byte
+    about once, the default on one host and DCP every replica's bytes."""
+    text, out = run_benchmark("replica_reads", tmp_path)
+    for layout, replicas in (("ddp", 4), ("mesh", 2)):
+        methods = out["layouts"][layout]
+        assert methods["trainsnap-shared"]["read_ratio"] <= 1.3
+        assert methods["trainsnap"]["read_ratio"] >= 0.9 * replicas
+        assert all(m["stored"] > 0 and m["seconds"] > 0 for m in methods.values())
+    assert_verdicts(
+        text,
+        ["ddp: trainsnap-shared bytes read / stored", "mesh: trainsnap-shared bytes read / stored"],
+    )
+
+
 def _assert_compression(out: dict[str, Any]) -> None:
     results = out["results"]
     assert len(results) == 12  # 4 kinds x 3 codecs

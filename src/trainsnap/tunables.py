@@ -34,9 +34,9 @@ class Tunables:
     """Most host memory a load holds in bounce buffers at once (strided pieces, devices)."""
 
     replica_reads: int = 1
-    """1: ranks that need the same bytes (data-parallel replicas) split the reads and send each
-    other what they read (:mod:`trainsnap.protocol.replica_reads`); 0: every rank reads all it
-    needs itself."""
+    """Ranks that need the same bytes (data-parallel replicas) split the reads and send each
+    other what they read (:mod:`trainsnap.protocol.replica_reads`): 1 where it helps (an object
+    store, or replicas on different hosts), 2 always, 0 never (every rank reads all it needs)."""
 
     heartbeat_seconds: int = 60
     """A rank whose heartbeat stops for this long during a save or load is taken as dead."""

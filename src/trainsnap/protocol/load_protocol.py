@@ -106,12 +106,12 @@ def _load(
         sid = _resolve(storage, snapshot, comm, session)
     with trace.span("open"):
         # Every rank raises the coordinator's failure here alike: no further agreement needed.
-        m, members, share = manifest_share.manifest_for(storage, sid, state, comm, session)
+        m, sharing, share = manifest_share.manifest_for(storage, sid, state, comm, session)
         replicas = None
         if share:  # every rank, in the same order: the data group is made collectively
             group = replica_reads.data_group()
-            if len(members) > 1:
-                replicas = Replicas(members, comm.rank, group)
+            if sharing:
+                replicas = Replicas(sharing, comm.rank, group)
     error: TrainsnapError | None = None
     tree: Any = state
     reached, nread = level, 0

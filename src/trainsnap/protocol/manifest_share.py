@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ from trainsnap.format.manifest_part import PartIndex, Wants
 from trainsnap.format.regions import Box, Region
 from trainsnap.protocol import commit, replica_reads
 from trainsnap.protocol.control_plane import Comm, Session
+from trainsnap.protocol.replica_reads import Sharing
 from trainsnap.state.capture import is_stateful, state_dict_of, targets
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
@@ -62,41 +64,43 @@ def wants_of(state: Any) -> Wants | None:
 
 def manifest_for(
     storage: Storage, snapshot_id: str, state: Any, comm: Comm, session: Session
-) -> tuple[Manifest, tuple[int, ...], bool]:
+) -> tuple[Manifest, Sharing, bool]:
     """The manifest of ``snapshot_id`` as far as this rank's ``state`` needs it (the whole
-    manifest in a world of one); the ranks that need the same (this one among them); and
-    whether replicas share their reads in this load (the same on every rank: when it is true,
+    manifest in a world of one); with which ranks it shares the reads of which top-level keys;
+    and whether any ranks share reads in this load (the same on every rank: when it is true,
     every rank takes part in making the data group, :func:`replica_reads.data_group`)."""
     if comm.world_size == 1:
-        return commit.open_snapshot(storage, snapshot_id), (comm.rank,), False
+        return commit.open_snapshot(storage, snapshot_id), [], False
     wants = wants_of(state)
     digest = hashlib.blake2b(pickle.dumps(wants), digest_size=16).hexdigest()
     error: TrainsnapError | None = None
     speakers: dict[str, list[int]] = {}
+    hosts: list[str] = []
     try:
-        digests = session.gather("wants-digest", digest)
-        if digests is not None:
-            speakers = _groups(digests)
+        said_digests = session.gather("wants-digest", (digest, socket.gethostname()))
+        if said_digests is not None:
+            speakers = _groups([d for d, _ in said_digests])
+            hosts = [h for _, h in said_digests]
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
     speakers = _decided(session.broadcast("wants-from", _told(speakers, error)), error, comm)
     asked = any(ranks[0] == comm.rank for ranks in speakers.values())
-    mine: tuple[Manifest, tuple[int, ...] | None] | None = None
+    mine: tuple[Manifest, Sharing] | None = None
     share = False
     try:
         said = session.gather("wants", wants if asked else None)
         if said is not None:
-            share = replica_reads.enabled(comm.world_size) and any(
-                len(ranks) > 1 and said[ranks[0]] is not None for ranks in speakers.values()
-            )
-            mine = _publish(storage, snapshot_id, speakers, said, digest, comm, session)
+            mode = replica_reads.mode(comm.world_size)
+            sharing = _sharing(speakers, said, hosts, mode, local="://" not in storage.url)
+            share = any(sharing.values())
+            mine = _publish(storage, snapshot_id, speakers, said, sharing, digest, comm, session)
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
     share = _decided(session.broadcast("manifest-parts", _told(share, error)), error, comm)
     if mine is None:
         mine = session.fetch("manifest-part", digest)
-    part, members = mine
-    return part, members or (comm.rank,), share
+    part, shared = mine
+    return part, shared, share
 
 
 def _only_on_coordinator(error: TrainsnapError, comm: Comm) -> TrainsnapError:
@@ -137,23 +141,64 @@ def _publish(
     snapshot_id: str,
     groups: dict[str, list[int]],
     said: list[Any],
+    sharing: dict[str, Sharing],
     own_digest: str,
     comm: Comm,
     session: Session,
-) -> tuple[Manifest, tuple[int, ...] | None]:
-    """(coordinator) Read the manifest, publish each group's part with its members; return the
+) -> tuple[Manifest, Sharing]:
+    """(coordinator) Read the manifest, publish each group's part with its sharing; return the
     coordinator's own."""
     manifest = commit.open_snapshot(storage, snapshot_id)
     index = PartIndex(manifest)
-    mine: tuple[Manifest, tuple[int, ...] | None] = (manifest, None)
+    mine: tuple[Manifest, Sharing] = (manifest, [])
     for digest, ranks in groups.items():
         wants = said[ranks[0]]
         part = manifest if wants is None else index.part(wants, ranks)
-        # A state that cannot say what it wants shares no reads (its wants are not known to
-        # be the same as the others').
-        members = tuple(ranks) if wants is not None else None
         readers = sum(1 for r in ranks if r != comm.rank)
-        session.publish("manifest-part", digest, (part, members), readers)
+        session.publish("manifest-part", digest, (part, sharing[digest]), readers)
         if digest == own_digest:
-            mine = (part, members)
+            mine = (part, sharing[digest])
     return mine
+
+
+def _sharing(
+    groups: dict[str, list[int]], said: list[Any], hosts: list[str], mode: int, local: bool
+) -> dict[str, Sharing]:
+    """(coordinator) For each group, the ranks it shares reads with, by top-level key: the
+    ranks of every group whose wants under that key are the same (data-parallel replicas of
+    those tensors), when sharing helps (``mode`` 2: always; 1: when the storage is not a
+    local file system -- an object store charges every request -- or the replicas are on
+    different hosts, whose page caches do not share what one of them read; 0: never). A state
+    that cannot say what it wants shares nothing."""
+    tops_of = {d: _top_digests(said[ranks[0]]) for d, ranks in groups.items()}
+    classes: dict[tuple[str, str], list[int]] = {}
+    for digest, ranks in groups.items():
+        for top_and_sub in (tops_of[digest] or {}).items():
+            classes.setdefault(top_and_sub, []).extend(ranks)
+    out: dict[str, Sharing] = {}
+    for digest in groups:
+        by_members: dict[tuple[int, ...], list[str]] = {}
+        for top, sub in (tops_of[digest] or {}).items():
+            members = tuple(sorted(classes[top, sub]))
+            spread = len({hosts[m] for m in members}) > 1
+            if len(members) > 1 and (mode == 2 or (mode == 1 and (spread or not local))):
+                by_members.setdefault(members, []).append(top)
+        out[digest] = [(members, tuple(tops)) for members, tops in sorted(by_members.items())]
+    return out
+
+
+def _top_digests(wants: Wants | None) -> dict[str, str] | None:
+    """A digest of what ``wants`` asks under each of its top-level keys (the regions of the
+    tensors under it)."""
+    if wants is None:
+        return None
+    tops = set(wants.tops)
+    under: dict[str, list[Any]] = {top: [] for top in wants.tops}
+    for key, regions in sorted(wants.regions.items()):
+        top = replica_reads.top_of(key, tops)
+        if top is not None:
+            under[top].append((key, regions))
+    return {
+        top: hashlib.blake2b(pickle.dumps(items), digest_size=16).hexdigest()
+        for top, items in under.items()
+    }

@@ -370,19 +370,19 @@ def fill(
 
 
 def _place(manifest: Manifest, tensor: int) -> replica_reads.Place:
-    """Where a tensor's stored bytes start and end (its first and last shard's chunks)."""
+    """Where a tensor's stored bytes start and end (its first and last shard's chunks), by
+    object name: the same on every rank, whichever part of the manifest it holds."""
     ss = manifest.shard_start()
     lo, hi = int(ss[tensor]), int(ss[tensor + 1])
-    if hi == lo:
-        return (-1, -1, -1, -1)
-    first, last = manifest.chunks_of(lo), manifest.chunks_of(hi - 1)
+    first = manifest.chunks_of(lo) if hi > lo else range(0)
+    last = manifest.chunks_of(hi - 1) if hi > lo else range(0)
     if not len(first) or not len(last):
-        return (-1, -1, -1, -1)
+        return ("", -1, "", -1)
     end = last[-1]
     return (
-        int(manifest.chunk_object[first[0]]),
+        manifest.object_names[int(manifest.chunk_object[first[0]])],
         int(manifest.chunk_offset[first[0]]),
-        int(manifest.chunk_object[end]),
+        manifest.object_names[int(manifest.chunk_object[end])],
         int(manifest.chunk_offset[end] + manifest.chunk_length[end]),
     )
 
@@ -403,9 +403,15 @@ def _fill_shared(
     values: list[tuple[ValueTarget, Any]] = []
     try:
         pairs = match(manifest, targets, replicas.rank, same_world)
-        shared = [(d, t) for d, t in pairs if int(manifest.tensor_ranks[t]) == -1]
-        places = [(d.item.key, d.work, _place(manifest, t)) for d, t in shared]
-        owner = replica_reads.split(replicas, places, manifest.block_size)
+        classes: dict[tuple[int, ...], list[tuple[_Dest, int]]] = {}
+        for dest, t in pairs:
+            members = replicas.members_of(dest.item.key)
+            if members is not None and int(manifest.tensor_ranks[t]) == -1:
+                classes.setdefault(members, []).append((dest, t))
+        for members, held in classes.items():
+            places = [(d.item.key, d.work, _place(manifest, t)) for d, t in held]
+            owner.update(replica_reads.split(members, places, manifest.block_size))
+            shared += held
         own = [(d, t) for d, t in pairs if owner.get(d.item.key, replicas.rank) == replicas.rank]
         values = read_values(reader, manifest, targets, replicas.rank, allow_pickle=allow_pickle)
         load_tensors(reader, own, tunables.get().io_threads)

@@ -1,9 +1,10 @@
 """Replicas share their reads: each byte a group of ranks needs is pulled from storage once.
 
-Ranks whose states ask the same of a snapshot (data-parallel replicas: same keys, same shards)
-are one group (:mod:`trainsnap.protocol.manifest_share` finds them). Within a group the tensors
-are split among the members, balanced by bytes; each member reads and verifies its share into
-its own destinations, then sends it to the other members, which receive it straight into theirs.
+Ranks whose states ask the same under a top-level key (data-parallel replicas of those tensors:
+same keys, same shards) share the reads of that key (:mod:`trainsnap.protocol.manifest_share`
+finds them: a :data:`Sharing`). For each set of members, the tensors they share are split among
+them, balanced by bytes; each member reads and verifies its share into its own destinations,
+then sends it to the other members, which receive it straight into theirs.
 The bytes travel over a gloo process group made for checkpoint data, never the training
 group, so no collective of the training loop can be in flight on it.
 
@@ -22,7 +23,8 @@ out after the heartbeat: every survivor raises, naming it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,26 +39,57 @@ _GROUP: dict[str, Any] = {}
 """The checkpoint-data process group, made once per default process group."""
 
 
+Sharing = list[tuple[tuple[int, ...], tuple[str, ...]]]
+"""(members, top-level keys): the ranks (sorted, this one among them) that need the same under
+those keys of the state, and share their reads."""
+
+
 @dataclass(slots=True)
 class Replicas:
-    """The ranks that share this rank's reads, and the group their bytes travel over."""
+    """With whom this rank shares which reads, and the group their bytes travel over."""
 
-    members: tuple[int, ...]
-    """Sorted; this rank among them."""
+    sharing: Sharing
     rank: int
     process_group: Any
     told: bool = False
     """Whether the others were told how this rank's reads went (step 3)."""
+    _by_top: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._by_top = {top: members for members, tops in self.sharing for top in tops}
+
+    def members_of(self, key: str) -> tuple[int, ...] | None:
+        """The ranks that share the reads of ``key`` (None: this rank reads it alone)."""
+        top = top_of(key, self._by_top)
+        return None if top is None else self._by_top[top]
+
+    @property
+    def peers(self) -> list[int]:
+        """Every rank this one shares any read with."""
+        return sorted({m for members, _ in self.sharing for m in members if m != self.rank})
 
 
-def enabled(world_size: int) -> bool:
-    """Whether this job can share reads: a default process group of this world with gloo, and
-    the switch (``TRAINSNAP_REPLICA_READS=0`` turns it off) on."""
+def top_of(key: str, tops: Collection[str]) -> str | None:
+    """The top-level key among ``tops`` that ``key`` is (or lies under)."""
+    if key in tops:
+        return key
+    for i, char in enumerate(key):
+        if char == "." and key[:i] in tops:
+            return key[:i]
+    return None
+
+
+def mode(world_size: int) -> int:
+    """How this job shares reads: 0 never (no default process group of this world with gloo,
+    or ``TRAINSNAP_REPLICA_READS=0``), 1 when it helps (the default), 2 always."""
     import torch.distributed as dist
 
-    if not tunables.get().replica_reads or not dist.is_available() or not dist.is_initialized():
-        return False
-    return dist.get_world_size() == world_size and dist.is_gloo_available()
+    wanted = tunables.get().replica_reads
+    if not wanted or not dist.is_available() or not dist.is_initialized():
+        return 0
+    if dist.get_world_size() != world_size or not dist.is_gloo_available():
+        return 0
+    return min(int(wanted), 2)
 
 
 def data_group() -> Any:
@@ -78,13 +111,13 @@ def forget_group() -> None:
     _GROUP.clear()
 
 
-Place = tuple[int, int, int, int]
-"""Where a tensor's bytes are stored: (object, offset) of its first byte, (object, end) of its
-last chunk."""
+Place = tuple[str, int, str, int]
+"""Where a tensor's bytes are stored: (object name, offset) of its first byte, (object name,
+end) of its last chunk. Names, not a manifest's indices: members may hold different parts."""
 
 
 def split(
-    group: Replicas, shared: list[tuple[str, torch.Tensor, Place]], block_size: int
+    members: tuple[int, ...], shared: list[tuple[str, torch.Tensor, Place]], block_size: int
 ) -> dict[str, int]:
     """(step 1) Key -> the member that reads it. Tensors in the order of their bytes in the
     snapshot are cut into one run per member of about equal bytes, and only where no checksum
@@ -96,10 +129,10 @@ def split(
     member, done = 0, 0
     previous: Place | None = None
     for key, work, place in ordered:
-        reached = done >= (member + 1) * total / len(group.members)
+        reached = done >= (member + 1) * total / len(members)
         if reached and previous is not None and _apart(previous, place, block_size):
-            member = min(member + 1, len(group.members) - 1)
-        owner[key] = group.members[member]
+            member = min(member + 1, len(members) - 1)
+        owner[key] = members[member]
         done += _nbytes(work)
         previous = place
     return owner
@@ -121,7 +154,7 @@ def tell(group: Replicas, failure: BaseException | None) -> dict[int, str]:
     import torch.distributed as dist
 
     group.told = True
-    peers = [m for m in group.members if m != group.rank]
+    peers = group.peers
     status = {m: torch.zeros(1, dtype=torch.uint8) for m in peers}
     mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8)
     pg = group.process_group
@@ -137,8 +170,9 @@ def exchange(
     owner: dict[str, int],
     failure: BaseException | None,
 ) -> None:
-    """(steps 3 and 4) Tell the others whether this member's share was read, then send it and
-    receive theirs into ``shared``'s tensors (contiguous, on CPU)."""
+    """(steps 3 and 4) Tell the others whether this member's share was read, then send it to
+    the other members of its key's sharing, and receive theirs into ``shared``'s tensors
+    (contiguous, on CPU)."""
     import torch.distributed as dist
 
     failed = tell(group, failure)
@@ -151,15 +185,15 @@ def exchange(
             rank_errors=failed,
         )
     faults.point("replica_exchange")
-    peers = [m for m in group.members if m != group.rank]
     pg = group.process_group
     ops = []
     for key, work in sorted(shared, key=lambda kw: kw[0]):
-        if work.numel() == 0:
+        members = group.members_of(key)
+        if work.numel() == 0 or members is None:
             continue
         data = work.view(-1).view(torch.uint8)
         if owner[key] == group.rank:
-            ops += [dist.P2POp(dist.isend, data, m, group=pg) for m in peers]
+            ops += [dist.P2POp(dist.isend, data, m, group=pg) for m in members if m != group.rank]
         else:
             ops.append(dist.P2POp(dist.irecv, data, owner[key], group=pg))
     if ops:
