@@ -8,8 +8,8 @@ Two layouts of the DTensor state of ``benchmarks.distributed`` (``--gib`` GiB, g
 
 Each layout is saved once by each method; then every repetition loads it with each method, in an
 order rotating between repetitions (after ``--warmup`` uncounted ones: the first load of a
-process also reads the modules it imports), into zeroed destinations, the page cache evicted first. Each
-rank counts the bytes its read syscalls returned during the load (``rchar`` of
+process also reads the modules it imports), into zeroed destinations, the page cache evicted
+first. Each rank counts the bytes its read syscalls returned during the load (``rchar`` of
 ``/proc/self/io``: it counts file reads, not the sockets the replicas exchange over) and the
 load's time between barriers. Reported: the bytes read summed over the ranks / the bytes the
 method stored (target <= 1.3 for trainsnap), the slowest rank's load time (median), and every
