@@ -144,7 +144,7 @@ def test_scale(tmp_path: Path) -> None:
     assert_verdicts(
         text,
         [
-            "16-rank cached save: of which its description (max)",
+            "16-rank cached save: bytes sent per rank (max)",
             "16-rank cached save: coordinator ingest (MiB)",
             "16-rank load: manifest bytes read / manifest size",
         ],

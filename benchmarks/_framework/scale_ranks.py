@@ -36,12 +36,14 @@ SHARD = 2
 """Each tensor shard is SHARD x SHARD elements: the metadata is the model's, the data tiny."""
 STORE_TIMEOUT = timedelta(seconds=600)
 MANIFEST_KEY = re.compile(r"^snapshots/[^/]+/manifest")
+REPORT_KEY = re.compile(r"^snapshots/[^/]+/reports/")
 MEMORY_EXIT = 86
 """A worker's exit status when it went past its memory limit."""
 
 
 class ManifestCountingStorage:
-    """A storage that counts the bytes read from manifest keys (``snapshots/*/manifest*``)."""
+    """A storage that counts the bytes read from manifest keys (``snapshots/*/manifest*``) and
+    from the write reports stored for the coordinator (``snapshots/*/reports/*``)."""
 
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
@@ -50,12 +52,16 @@ class ManifestCountingStorage:
         self._lock = threading.Lock()
         self.manifest_bytes = 0
         self.manifest_reads = 0
+        self.report_bytes = 0
 
     def _count(self, key: str, nbytes: int) -> None:
         if MANIFEST_KEY.match(key):
             with self._lock:
                 self.manifest_bytes += nbytes
                 self.manifest_reads += 1
+        elif REPORT_KEY.match(key):
+            with self._lock:
+                self.report_bytes += nbytes
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         data = self.inner.get(key, start, end)
@@ -208,6 +214,7 @@ class Worker:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         before_manifest = self.storage.manifest_bytes
+        before_reports = self.storage.report_bytes
         first_event = len(trace.events())
         threads = [
             threading.Thread(target=self._one, args=(phase, step, r, records), name=f"rank-{r}")
@@ -230,6 +237,7 @@ class Worker:
             "rss_start": start_rss,
             "rss_peak": peak[0],
             "manifest_bytes": self.storage.manifest_bytes - before_manifest,
+            "report_bytes": self.storage.report_bytes - before_reports,
             "plan_s": list(self.plan_seconds),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }

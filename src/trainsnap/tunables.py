@@ -38,6 +38,11 @@ class Tunables:
     other what they read (:mod:`trainsnap.protocol.replica_reads`): 1 where it helps (an object
     store, or replicas on different hosts), 2 always, 0 never (every rank reads all it needs)."""
 
+    report_inline_max: int = 512
+    """A rank's encoded write report larger than this many bytes is written to storage
+    (``snapshots/<id>/reports/<rank>``) and only its size and digest go through the control
+    plane (:mod:`trainsnap.protocol.write_reports`); a smaller one is sent as it is."""
+
     heartbeat_seconds: int = 60
     """A rank whose heartbeat stops for this long during a save or load is taken as dead."""
 
@@ -56,6 +61,10 @@ class Tunables:
             object.__setattr__(self, "pack_threshold", self.chunk_size)
         if self.io_threads < 1:
             raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.report_inline_max < 0:
+            raise InvalidArgumentError(
+                f"report_inline_max must be >= 0, got {self.report_inline_max}"
+            )
         if self.read_budget < 2 * self.block_size:
             raise InvalidArgumentError(
                 f"read_budget ({self.read_budget}) must hold at least two blocks "

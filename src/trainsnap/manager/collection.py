@@ -7,7 +7,9 @@ older than a grace period -- a save in flight writes (or, when it reuses an obje
 its objects before it commits, so the grace period protects them. When no writer holds the root
 (its lease was released) there is nothing in flight and everything unreferenced goes at once.
 If any committed snapshot's manifest cannot be read, nothing is collected: its references are
-unknown.
+unknown. The write reports a save left in a committed snapshot's directory (its coordinator died
+before deleting them: :mod:`trainsnap.protocol.write_reports`) are not part of the snapshot and
+go once past the grace period.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from trainsnap import faults
 from trainsnap.errors import TrainsnapError
 from trainsnap.manager import lease
-from trainsnap.protocol import commit
+from trainsnap.protocol import commit, write_reports
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class GcReport:
     temporaries_deleted: int = 0
     young_skipped: int = 0
     """Unreferenced objects left alone because they are inside the grace period."""
+    reports_deleted: int = 0
+    """Write reports left in committed snapshots' directories by an interrupted save."""
 
 
 def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = False) -> GcReport:
@@ -72,6 +76,12 @@ def collect(storage: Storage, *, grace: float | None = 3600.0, dry_run: bool = F
             report.uncommitted_deleted.append(sid)
             if not dry_run:
                 commit.delete_snapshot(storage, sid)
+    for sid in sorted(live):
+        for key in list(storage.list(write_reports.reports_prefix(sid))):
+            if old(key):
+                report.reports_deleted += 1
+                if not dry_run:
+                    storage.delete(key)
     for key in storage.list("objects/"):
         name = key.rsplit("/", 1)[-1]
         if name in referenced:

@@ -107,7 +107,7 @@ def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
             )
         raw = storage.get(marker_key(snapshot_id))
     except FileNotFoundError:
-        if not any(_exists(storage, k) for k in manifest_keys(snapshot_id)):
+        if not _has_files(storage, snapshot_id):
             raise NotFoundError(
                 f"snapshot {snapshot_id} does not exist in {storage.url}; "
                 "`trainsnap ls` lists the committed ones",
@@ -138,6 +138,14 @@ def committed_marker(storage: Storage, snapshot_id: str) -> Marker:
             path=marker.manifest_key,
         )
     return marker
+
+
+def _has_files(storage: Storage, snapshot_id: str) -> bool:
+    """Whether anything of ``snapshot_id`` is stored: a manifest (stat, which no listing lag
+    hides) or any file of its directory (the write reports of a save that stopped early)."""
+    if any(_exists(storage, k) for k in manifest_keys(snapshot_id)):
+        return True
+    return next(iter(storage.list(f"snapshots/{snapshot_id}/")), None) is not None
 
 
 def _exists(storage: Storage, key: str) -> bool:

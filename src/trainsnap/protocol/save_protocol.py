@@ -10,11 +10,14 @@ thread, for an asynchronous save):
    identical everywhere stored once. A refusal reaches every rank and nothing is written.
 3. (all ranks) stage and write the assigned payloads as content-addressed objects; report them
    (or the error). No collective on the training process group: the control plane is the
-   rendezvous store (:mod:`trainsnap.protocol.control_plane`).
-4. (coordinator) gather the reports. A rank that failed, died or went silent means no commit;
+   rendezvous store (:mod:`trainsnap.protocol.control_plane`). A large report is written to
+   storage and only its size and digest sent (:mod:`trainsnap.protocol.write_reports`).
+4. (coordinator) gather the reports (reading and checking the stored ones). A rank that failed,
+   died or went silent, or whose stored report is missing or changed, means no commit;
    otherwise assemble the manifest and commit it (manifest, then marker:
    :mod:`trainsnap.protocol.commit`).
-5. (all ranks) learn the outcome: the snapshot, or one error listing every failing rank.
+5. (all ranks) learn the outcome: the snapshot, or one error listing every failing rank. The
+   coordinator then deletes the stored reports.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from trainsnap.engine.staging import BudgetExceeded, Lease, StagingPool
 from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.manifest import Manifest
-from trainsnap.protocol import commit
+from trainsnap.protocol import commit, write_reports
 from trainsnap.protocol.assemble import assemble
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 from trainsnap.protocol.outcome import Outcome, describe_error
@@ -294,7 +297,7 @@ def _finish(pending: PendingSave) -> SaveResult:
         manifest = None
         if comm.is_coordinator:
             assert pending.metas is not None and pending.plan is not None
-            manifest, outcome = _commit(
+            manifest, outcome, stored = _commit(
                 pending.storage,
                 opts,
                 pending.hasher,
@@ -306,9 +309,12 @@ def _finish(pending: PendingSave) -> SaveResult:
                 comm,
             )
             pending.session.broadcast("outcome", outcome)
+            if comm.world_size > 1:
+                write_reports.discard(pending.storage, sid, stored, committed=outcome.ok)
         else:
             try:
-                pending.session.gather("report", report)
+                sent = write_reports.outgoing(pending.storage, sid, comm.rank, report)
+                pending.session.gather("report", sent)
                 outcome = pending.session.broadcast("outcome")
             except PeerLost as e:
                 outcome = _outcome_without_coordinator(pending.storage, sid, e)
@@ -359,16 +365,19 @@ def _commit(
     report: WriteReport,
     mesh: dict[str, int],
     comm: Comm,
-) -> tuple[Manifest | None, Outcome]:
-    """Step 4 (coordinator): every report in, or no commit."""
+) -> tuple[Manifest | None, Outcome, list[str]]:
+    """Step 4 (coordinator): every report in, or no commit. Also the keys of the reports
+    read from storage."""
     sid = plan.assignments[0].snapshot_id
     try:
-        reports: list[WriteReport] = session.gather("report", report) or []
+        # The coordinator's own report stays here: it sends nothing.
+        messages = session.gather("report", None) or []
     except PeerLost as e:
-        return None, Outcome(sid, rank_errors=e.ranks)
+        return None, Outcome(sid, rank_errors=e.ranks), []
+    reports, stored = write_reports.incoming(storage, sid, messages, comm.rank, report)
     errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if errors:
-        return None, Outcome(sid, rank_errors=errors)
+        return None, Outcome(sid, rank_errors=errors), stored
     topology = {"world_size": comm.world_size, "coordinator": comm.coordinator, "mesh": mesh}
     try:
         manifest = assemble(sid, opts, hasher, metas, plan, reports, topology)
@@ -377,9 +386,11 @@ def _commit(
         )
     except Exception as e:
         log.exception("commit of snapshot %s failed", sid)
-        return None, Outcome(sid, rank_errors={comm.rank: f"commit: {describe_error(e)}"})
+        failed = Outcome(sid, rank_errors={comm.rank: f"commit: {describe_error(e)}"})
+        return None, failed, stored
     new = sum(r.bytes_new for r in reports)
-    return manifest, Outcome(sid, manifest_summary={**manifest.summary(), "bytes_new": new})
+    summary = {**manifest.summary(), "bytes_new": new}
+    return manifest, Outcome(sid, manifest_summary=summary), stored
 
 
 def _outcome_without_coordinator(storage: Storage, sid: str, error: PeerLost) -> Outcome:
