@@ -67,13 +67,15 @@ from benchmarks._framework.system import (
 )
 from trainsnap import tunables
 
-# trainsnap time / the other method's time, at most.
+# trainsnap time / the other method's time, at most. A cold load waits for the disk, which
+# trainsnap must keep as busy as a raw read does; a warm one is a memory copy, and trainsnap
+# also hashes every byte and places every tensor.
 TARGETS: dict[tuple[str, str], float] = {
     ("save", "dcp"): 1.0,
     ("save", "raw"): 1.3,
     ("load", "dcp"): 0.5,
-    ("load", "raw"): 2.0,
 }
+LOAD_RAW_TARGET = {"cold": 1.1, "warm": 2.0}
 SMOKE = {"gib": 0.01, "reps": 2}
 
 
@@ -81,12 +83,13 @@ def methods(threads: int) -> list[Method]:
     return [Trainsnap(), TorchSave(), Dcp(threads), RawLimit(threads)]
 
 
-def ratios() -> list[Ratio]:
+def ratios(warm: bool = False) -> list[Ratio]:
+    targets = TARGETS | {("load", "raw"): LOAD_RAW_TARGET["warm" if warm else "cold"]}
     out = []
     for operation in ("save", "load"):
         labels = {"dcp": "DCP", "raw": "raw", "torch": f"torch.{operation}"}
         for other, label in labels.items():
-            bound = TARGETS.get((operation, other))
+            bound = targets.get((operation, other))
             out.append(
                 Ratio(
                     f"{operation}: trainsnap/{label}",
@@ -204,7 +207,7 @@ def report(out: dict[str, Any]) -> tuple[str, list[Any]]:
         results,
         nbytes=nbytes,
         metrics=("save", "load"),
-        ratios=ratios(),
+        ratios=ratios(config["warm"]),
         ratio_title="trainsnap time / other's time (median; lower is better for trainsnap):",
     )
     cache = "warm page cache" if config["warm"] else "page cache evicted before loads"

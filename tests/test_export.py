@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import trainsnap as ts
 from trainsnap.format.manifest import ManifestBuilder
 from trainsnap.format.regions import Box
 from trainsnap.storage import PosixStorage
+from trainsnap.storage.base import Steps
 from trainsnap.tools.cli import app
 from trainsnap.tools.export import (
     INDEX_FILE,
@@ -142,12 +144,19 @@ class CountingStorage(PosixStorage):
         self.reads = 0
         self._count_lock = threading.Lock()
 
-    def read_into(self, key: str, start: int, out: memoryview) -> None:
+    def _count(self, key: str, nbytes: int) -> None:
         if key.startswith("objects/"):
             with self._count_lock:
-                self.largest = max(self.largest, len(out))
+                self.largest = max(self.largest, nbytes)
                 self.reads += 1
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        self._count(key, len(out))
         super().read_into(key, start, out)
+
+    def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
+        self._count(key, sum(len(b) for step in steps for b in step))
+        super().read_steps(key, start, steps, done)
 
 
 def test_export_reads_in_bounded_pieces(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
+from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.errors import InvalidArgumentError, NotFoundError, TrainsnapError
 from trainsnap.format.manifest import LEVELS
 from trainsnap.format.values import PickleKeys
@@ -114,15 +115,16 @@ def load(
         raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
     started = time.perf_counter()
     storage = open_storage(root, **dict(storage_options or {}))
-    manifest, reached, nread = run_load(
-        state,
-        storage,
-        snapshot,
-        comm_for(coordinator, timeout),
-        level=level,
-        allow_downgrade=allow_downgrade,
-        allow_pickle=allow_pickle,
-    )
+    with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
+        manifest, reached, nread = run_load(
+            state,
+            storage,
+            snapshot,
+            comm_for(coordinator, timeout),
+            level=level,
+            allow_downgrade=allow_downgrade,
+            allow_pickle=allow_pickle,
+        )
     seconds = time.perf_counter() - started
     log.info(
         "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",

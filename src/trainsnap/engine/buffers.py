@@ -37,6 +37,37 @@ def gather(parts: list[memoryview], size: int) -> memoryview:
     return memoryview(buf)
 
 
+class Parts:
+    """Consecutive destination bytes spread over several buffers (the rows of a column piece),
+    handed out in order: :meth:`take` returns the views that the next ``n`` bytes fill."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self._buffers = buffers
+        self._index = 0
+        self._offset = 0
+
+    def take(self, nbytes: int) -> list[memoryview]:
+        out = []
+        while nbytes:
+            buffer = self._buffers[self._index]
+            n = min(nbytes, len(buffer) - self._offset)
+            if n:
+                out.append(buffer[self._offset : self._offset + n])
+            nbytes -= n
+            self._offset += n
+            if self._offset == len(buffer):
+                self._index, self._offset = self._index + 1, 0
+        return out
+
+
+def scatter_copy(source: memoryview, parts: list[memoryview]) -> None:
+    """Copy ``source`` into ``parts`` back to back (their lengths add up to its length)."""
+    pos = 0
+    for part in parts:
+        part[:] = source[pos : pos + len(part)]
+        pos += len(part)
+
+
 def _map(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping for bounce buffers (huge pages asked for where the kernel
     offers them: fewer page faults the first time it is filled).

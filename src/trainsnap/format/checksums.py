@@ -12,8 +12,8 @@ bytes, and a retried or concurrent write of one object can never change its cont
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import xxhash
 
@@ -36,6 +36,12 @@ _ALGORITHMS: Final[dict[str, tuple[Callable[[_Buffer], bytes], int]]] = {
     "xxh3-128": (_xxh3_128, 16),
     "sha256": (_sha256, 32),
 }
+
+_INCREMENTAL: Final[dict[str, Callable[[], Any]]] = {
+    "xxh3-128": xxhash.xxh3_128,
+    "sha256": hashlib.sha256,
+}
+"""Hash objects of the same algorithms, fed piece by piece (the same digest as one call)."""
 
 DEFAULT_ALGORITHM: Final = "xxh3-128"
 
@@ -60,6 +66,17 @@ class Hasher:
 
     def digest(self, data: _Buffer) -> bytes:
         return self._fn(data)
+
+    def digest_parts(self, parts: Sequence[_Buffer]) -> bytes:
+        """The digest of the concatenation of ``parts``, without concatenating them (a block
+        read straight into several destination rows)."""
+        if len(parts) == 1:
+            return self._fn(parts[0])
+        state = _INCREMENTAL[self.algorithm]()
+        for part in parts:
+            state.update(part)
+        digest: bytes = state.digest()
+        return digest
 
     def nblocks(self, size: int) -> int:
         return -(-size // self.block_size)

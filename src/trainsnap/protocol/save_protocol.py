@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainsnap import trace, tunables
+from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.engine.staging import BudgetExceeded, Lease, StagingPool
 from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from trainsnap.format.checksums import Hasher
@@ -105,8 +106,10 @@ class PendingSave:
 
 
 def run_save(state: Any, storage: Storage, opts: SaveRequest, comm: Comm) -> SaveResult:
-    """A synchronous save: every step on the calling thread."""
-    return finish_save(prepare_save(state, storage, opts, comm, pool=None))
+    """A synchronous save: every step on the calling thread (the garbage collector paused,
+    see :mod:`trainsnap.engine.gc_pause`)."""
+    with paused_gc():
+        return finish_save(prepare_save(state, storage, opts, comm, pool=None))
 
 
 def prepare_save(
@@ -118,7 +121,8 @@ def prepare_save(
     hasher = Hasher(opts.checksum, tunables.get().block_size)
     session = comm.session("save")
     try:
-        pending = _agree(state, storage, opts, comm, session, hasher, t0)
+        with paused_gc():  # the pause of an asynchronous save: see trainsnap.engine.gc_pause
+            pending = _agree(state, storage, opts, comm, session, hasher, t0)
         if pool is not None:
             with trace.span("stage", step=opts.step) as ev:
                 pending.lease = _stage(pending, pool)

@@ -8,14 +8,15 @@ exist because a part of the library needs exactly that and cannot build it from 
 ``put_if_absent`` (an atomic create: the writer generations that fence a superseded job),
 ``mtime`` and ``refresh`` (an object's age, and making it young again: the collector's grace
 period protects an object a save in flight reuses). Capabilities are attributes, not
-subclasses. Backend errors leave a backend as builtins: ``FileNotFoundError`` for a missing key,
-``OSError`` for the rest.
+subclasses: a backend may also offer ``read_steps`` (see :func:`read_steps`), which loads use
+to verify each block while it is still in the cache. Backend errors leave a backend as
+builtins: ``FileNotFoundError`` for a missing key, ``OSError`` for the rest.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from trainsnap.errors import InvalidArgumentError
@@ -114,3 +115,37 @@ def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     if isinstance(data, bytes | bytearray | memoryview):
         return [memoryview(data).cast("B")]
     return [memoryview(b).cast("B") for b in data]
+
+
+Steps = Sequence[Sequence[memoryview]]
+"""Consecutive bytes of an object, step by step: each step is the list of buffers (a scatter
+list) its bytes fill in order."""
+
+
+def read_steps(
+    storage: Storage, key: str, start: int, steps: Steps, done: Callable[[int], None]
+) -> None:
+    """Fill ``steps`` with the bytes of ``key`` from ``start`` on, calling ``done(i)`` once step
+    ``i`` holds its bytes; ``done`` may raise to stop the read.
+
+    A backend with a ``read_steps`` method of this signature fills one step at a time and calls
+    ``done(i)`` before reading step ``i + 1``: a reader verifies a block right after it lands,
+    while it is still in the processor's cache, instead of reading it back from memory later.
+    Other backends get the whole range in one ``read_into`` (one request to an object store),
+    then every ``done``."""
+    native = getattr(storage, "read_steps", None)
+    if native is not None:
+        native(key, start, steps, done)
+        return
+    buffers = [b for step in steps for b in step]
+    if len(buffers) == 1:
+        storage.read_into(key, start, buffers[0])
+    else:
+        whole = memoryview(bytearray(sum(len(b) for b in buffers)))
+        storage.read_into(key, start, whole)
+        pos = 0
+        for b in buffers:
+            b[:] = whole[pos : pos + len(b)]
+            pos += len(b)
+    for i in range(len(steps)):
+        done(i)

@@ -28,11 +28,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainsnap.storage.base import Buffer, Storage, as_buffers
+from trainsnap.storage.base import Buffer, Steps, Storage, as_buffers, read_steps
 
 
 @dataclass(slots=True)
@@ -147,6 +147,10 @@ class FaultyStorage:
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         self._before(f"read {key}")
         self.inner.read_into(key, start, out)
+
+    def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
+        self._before(f"read {key}")
+        read_steps(self.inner, key, start, steps, done)
 
     def stat(self, key: str) -> int:
         self._before(f"stat {key}")

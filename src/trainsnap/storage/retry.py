@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from trainsnap.storage.base import Buffer, ShortReadError, Storage
+from trainsnap.storage.base import Buffer, ShortReadError, Steps, Storage, read_steps
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,10 @@ class RetryingStorage:
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
         self._call(f"read {key}", lambda: self.inner.read_into(key, start, out))
+
+    def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
+        """A retried read fills every step again (``done`` sees each step again)."""
+        self._call(f"read {key}", lambda: read_steps(self.inner, key, start, steps, done))
 
     def stat(self, key: str) -> int:
         return self._call(f"stat {key}", lambda: self.inner.stat(key))

@@ -1,0 +1,139 @@
+"""Column pieces read straight into destination rows, blocks verified as they land, and the task
+runner that lets reads start while a load is still planning."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainsnap as ts
+from trainsnap.engine.buffers import Parts
+from trainsnap.engine.pool import TaskRunner, run_all
+from trainsnap.format.checksums import Hasher
+from trainsnap.protocol import rank_load
+from trainsnap.storage.base import read_steps
+from trainsnap.storage.posix import PosixStorage
+from trainsnap.testing import assert_all_ok, run_ranks
+
+ROWS = 40
+WIDE, NARROW = 4096, 64  # float32 columns: 4 KiB rows per saved quarter, and 64-byte ones
+# Blocks that do not divide a row, chunks of a few blocks: pieces start and end mid-block.
+ENV = {"TRAINSNAP_BLOCK_SIZE": str(12352), "TRAINSNAP_CHUNK_SIZE": str(12352 * 5)}
+
+
+def _full(columns: int, seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, columns, generator=torch.Generator().manual_seed(seed))
+
+
+def _save_quarters(rank: int, world: int, root: str) -> None:
+    state = {}
+    for name, columns, seed in (("wide", WIDE, 1), ("narrow", NARROW, 2)):
+        width = columns // world
+        local = _full(columns, seed)[:, rank * width : (rank + 1) * width].clone()
+        state[name] = ts.Sharded(local, global_shape=(ROWS, columns), offsets=(0, rank * width))
+    ts.save(state, root, step=1, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def column_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A snapshot whose two tensors were saved as four column quarters by four ranks."""
+    root = tmp_path_factory.mktemp("columns")
+    assert_all_ok(run_ranks(_save_quarters, 4, args=(str(root),), timeout=300, env=ENV))
+    return root
+
+
+def test_column_quarters_land_in_their_rows_with_no_bounce_copy(column_root, monkeypatch):
+    copied: list[tuple[int, ...]] = []
+    real_copy = rank_load._strided_copy
+
+    def spy(buf, part, low, work):  # type: ignore[no-untyped-def]
+        copied.append(tuple(work.shape))
+        real_copy(buf, part, low, work)
+
+    monkeypatch.setattr(rank_load, "_strided_copy", spy)
+    dest = {"wide": torch.zeros(ROWS, WIDE), "narrow": torch.zeros(ROWS, NARROW)}
+    ts.load(dest, column_root)
+    assert torch.equal(dest["wide"], _full(WIDE, 1))
+    assert torch.equal(dest["narrow"], _full(NARROW, 2))
+    # 4 KiB rows are read into place; 64-byte rows still go through the bounce buffer.
+    assert copied and all(shape == (ROWS, NARROW) for shape in copied)
+
+
+def test_half_of_the_rows_of_the_columns(column_root):
+    """A destination that is itself a box (rows 10..30, all columns): strided on both counts."""
+    dst = torch.zeros(20, WIDE)
+    ts.load({"wide": ts.Sharded(dst, global_shape=(ROWS, WIDE), offsets=(10, 0))}, column_root)
+    assert torch.equal(dst, _full(WIDE, 1)[10:30])
+
+
+def test_a_corrupt_block_under_a_column_piece_fails_the_load(column_root, tmp_path):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(column_root, root)
+    objects = sorted(p for p in (root / "objects").rglob("*") if p.is_file())
+    largest = max(objects, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    largest.chmod(0o644)
+    largest.write_bytes(bytes(data))
+    with pytest.raises(ts.CorruptError, match="fails its checksum"):
+        ts.load({"wide": torch.zeros(ROWS, WIDE), "narrow": torch.zeros(ROWS, NARROW)}, root)
+
+
+def test_read_steps_fills_scatter_lists_in_order_and_stops_when_told(tmp_path):
+    storage = PosixStorage(tmp_path)
+    payload = bytes(range(256)) * 40
+    storage.put("objects/ab/x", payload)
+    out = bytearray(len(payload) - 100)
+    parts = Parts([memoryview(out)[i : i + 700] for i in range(0, len(out), 700)])
+    steps = [parts.take(min(1000, len(out) - i)) for i in range(0, len(out), 1000)]
+    seen: list[int] = []
+    read_steps(storage, "objects/ab/x", 100, steps, seen.append)
+    assert bytes(out) == payload[100:] and seen == list(range(len(steps)))
+
+    def stop_at_two(i: int) -> None:
+        if i == 2:
+            raise ValueError("bad block")
+
+    out[:] = bytes(len(out))
+    with pytest.raises(ValueError, match="bad block"):
+        read_steps(storage, "objects/ab/x", 100, steps, stop_at_two)
+    assert bytes(out[3000:]) == bytes(len(out) - 3000)  # nothing read after the failed step
+
+
+def test_digest_of_parts_is_the_digest_of_their_concatenation():
+    data = bytes(range(256)) * 13
+    for algorithm in ("xxh3-128", "sha256"):
+        hasher = Hasher(algorithm)
+        parts = [memoryview(data)[:5], memoryview(data)[5:3000], memoryview(data)[3000:]]
+        assert hasher.digest_parts(parts) == hasher.digest(data)
+
+
+def test_task_runner_stops_on_the_first_failure_and_waits_for_running_tasks():
+    started, finished = [], []
+    lock = threading.Lock()
+
+    def slow(i: int) -> int:
+        with lock:
+            started.append(i)
+        time.sleep(0.05)
+        with lock:
+            finished.append(i)
+        return i
+
+    def fail() -> int:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"), TaskRunner[int](2) as runner:
+        runner.submit(fail)
+        time.sleep(0.02)
+        for i in range(50):
+            runner.submit(lambda i=i: slow(i))
+    assert sorted(started) == sorted(finished)  # nothing still running after the block
+    assert len(started) < 50
+    assert run_all([lambda i=i: i * i for i in range(10)], 4) == [i * i for i in range(10)]
