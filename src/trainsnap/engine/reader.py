@@ -5,9 +5,10 @@ of extra bytes at each end.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -51,16 +52,22 @@ class Reader:
             path=object_key(name),
         )
 
-    def _get(self, obj: int, start: int, out: memoryview, key: str) -> None:
+    @contextlib.contextmanager
+    def _reading(self, obj: int, key: str) -> Iterator[None]:
+        """Storage errors of a read of object ``obj`` as the load's errors, naming the key."""
         faults.point("load_read")
         try:
-            self.storage.read_into(object_key(self.m.object_names[obj]), start, out)
+            yield
         except NotRegularFileError as e:
             raise self._fail(obj, f"is not a regular file of the root ({e.strerror})", key) from e
         except FileNotFoundError as e:
             raise self._fail(obj, "is missing", key) from e
         except ShortReadError as e:
             raise self._fail(obj, "is truncated", key) from e
+
+    def _get(self, obj: int, start: int, out: memoryview, key: str) -> None:
+        with self._reading(obj, key):
+            self.storage.read_into(object_key(self.m.object_names[obj]), start, out)
         with self._lock:
             self.bytes_read += len(out)
 
@@ -72,15 +79,8 @@ class Reader:
         done: Callable[[int], None],
         key: str,
     ) -> None:
-        faults.point("load_read")
-        try:
+        with self._reading(obj, key):
             read_steps(self.storage, object_key(self.m.object_names[obj]), start, steps, done)
-        except NotRegularFileError as e:
-            raise self._fail(obj, f"is not a regular file of the root ({e.strerror})", key) from e
-        except FileNotFoundError as e:
-            raise self._fail(obj, "is missing", key) from e
-        except ShortReadError as e:
-            raise self._fail(obj, "is truncated", key) from e
 
     def _check(self, obj: int, first_block: int, data: memoryview, key: str) -> None:
         d = self.hasher.digest_size
