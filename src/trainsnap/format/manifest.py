@@ -22,7 +22,7 @@ Tables and how they chain (all indices 0-based):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -145,10 +145,12 @@ class Manifest:
 
     # -- derived indices ---------------------------------------------------------------------
 
-    def _prefix(self, name: str, counts: I64) -> I64:
+    def _prefix(self, name: str, counts: Callable[[], I64]) -> I64:
+        """The prefix sums of ``counts()``, computed once (``counts`` is not called again)."""
         if name not in self._derived:
-            out = np.zeros(len(counts) + 1, np.int64)
-            np.cumsum(counts, out=out[1:])
+            values = counts()
+            out = np.zeros(len(values) + 1, np.int64)
+            np.cumsum(values, out=out[1:])
             self._derived[name] = out
         result: I64 = self._derived[name]
         return result
@@ -167,22 +169,24 @@ class Manifest:
         return h
 
     def shard_start(self) -> I64:
-        return self._prefix("shard_start", self.tensor_nshards)
+        return self._prefix("shard_start", lambda: self.tensor_nshards)
 
     def chunk_start(self) -> I64:
         """Prefix over shards then values: shard ``s`` owns ``chunk_start[s]:chunk_start[s+1]``."""
-        return self._prefix("chunk_start", np.concatenate([self.shard_nchunks, self.value_nchunks]))
+        return self._prefix(
+            "chunk_start", lambda: np.concatenate([self.shard_nchunks, self.value_nchunks])
+        )
 
     def block_start(self) -> I64:
         b = self.block_size
-        return self._prefix("block_start", (self.object_sizes + (b - 1)) // b)
+        return self._prefix("block_start", lambda: (self.object_sizes + (b - 1)) // b)
 
     def geo_start(self) -> I64:
         if "geo_start" not in self._derived:
             ndim = np.array([len(s) for s in self.tensor_shapes], np.int64)
             per_shard = np.repeat(ndim, self.tensor_nshards)
             width = np.where(self.shard_kind == FLAT, 2, 2 * per_shard)
-            self._derived["geo_start"] = self._prefix("_geo", width)
+            self._derived["geo_start"] = self._prefix("_geo", lambda: width)
         g: I64 = self._derived["geo_start"]
         return g
 
@@ -266,7 +270,8 @@ class Manifest:
         if "cblock" not in self._derived:
             b = self.block_size
             n = (self.object_sizes + (b - 1)) // b
-            self._derived["cblock"] = self._prefix("_cb", np.where(self.compressed_mask(), n, 0))
+            mask = self.compressed_mask()
+            self._derived["cblock"] = self._prefix("_cb", lambda: np.where(mask, n, 0))
         out: I64 = self._derived["cblock"]
         return out
 
