@@ -20,13 +20,13 @@ import contextlib
 import logging
 from typing import Any
 
-from trainsnap import errors, trace
+from trainsnap import trace
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
-from trainsnap.protocol.outcome import describe_error
+from trainsnap.protocol.outcome import decided, describe_error, told
 from trainsnap.protocol.rank_load import fill, read_value
 from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import targets
@@ -57,19 +57,16 @@ def run_load(
 
 def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> str:
     """(coordinator) which snapshot: "latest" must mean the same snapshot on every rank."""
-    chosen: tuple[str | None, str, str] = (None, "", "")
+    chosen: str | None = None
+    error: TrainsnapError | None = None
     if comm.is_coordinator:
         try:
-            chosen = (commit.resolve(storage, snapshot), "", "")
+            chosen = commit.resolve(storage, snapshot)
         except TrainsnapError as e:
             if comm.world_size == 1:
                 raise
-            chosen = (None, type(e).__name__, e.message)
-    sid, kind, why = session.broadcast("snapshot", chosen)
-    if sid is None:
-        cls = getattr(errors, kind, TrainsnapError)
-        raise cls(f"{why} (decided by the coordinator, rank {comm.coordinator})")
-    return str(sid)
+            error = e
+    return str(decided(session.broadcast("snapshot", told(chosen, error)), error, comm.coordinator))
 
 
 def _load_outcome(comm: Comm, session: Session, report: tuple[str | None, str]) -> dict[int, str]:

@@ -27,7 +27,6 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from trainsnap import errors
 from trainsnap.errors import TrainsnapError
 from trainsnap.format import tree
 from trainsnap.format.manifest import Manifest
@@ -35,6 +34,7 @@ from trainsnap.format.manifest_part import PartIndex, Wants
 from trainsnap.format.regions import Box, Region
 from trainsnap.protocol import commit, replica_reads
 from trainsnap.protocol.control_plane import Comm, Session
+from trainsnap.protocol.outcome import decided, told
 from trainsnap.protocol.replica_reads import Sharing
 from trainsnap.state.capture import is_stateful, state_dict_of, targets
 from trainsnap.state.train_state import TrainState
@@ -83,7 +83,8 @@ def manifest_for(
             hosts = [h for _, h in said_digests]
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
-    speakers = _decided(session.broadcast("wants-from", _told(speakers, error)), error, comm)
+    coordinator = comm.coordinator
+    speakers = decided(session.broadcast("wants-from", told(speakers, error)), error, coordinator)
     asked = any(ranks[0] == comm.rank for ranks in speakers.values())
     mine: tuple[Manifest, Sharing] | None = None
     share = False
@@ -96,7 +97,7 @@ def manifest_for(
             mine = _publish(storage, snapshot_id, speakers, said, sharing, digest, comm, session)
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
-    share = _decided(session.broadcast("manifest-parts", _told(share, error)), error, comm)
+    share = decided(session.broadcast("manifest-parts", told(share, error)), error, coordinator)
     if mine is None:
         mine = session.fetch("manifest-part", digest)
     part, shared = mine
@@ -108,24 +109,6 @@ def _only_on_coordinator(error: TrainsnapError, comm: Comm) -> TrainsnapError:
     if not comm.is_coordinator:
         raise error
     return error
-
-
-def _told(decision: Any, error: TrainsnapError | None) -> Any:
-    """What the coordinator broadcasts: its decision, or (kind, message) of its failure."""
-    return decision if error is None else (type(error).__name__, str(error))
-
-
-def _decided(decision: Any, error: TrainsnapError | None, comm: Comm) -> Any:
-    """The coordinator's decision; its failure raised, on the others as the same kind."""
-    if error is not None:
-        raise error
-    if isinstance(decision, tuple) and len(decision) == 2 and isinstance(decision[0], str):
-        kind, message = decision
-        cls = getattr(errors, kind, TrainsnapError)
-        if not (isinstance(cls, type) and issubclass(cls, TrainsnapError)):
-            cls = TrainsnapError
-        raise cls(f"{message} (found by the coordinator, rank {comm.coordinator})")
-    return decision
 
 
 def _groups(digests: list[str]) -> dict[str, list[int]]:
