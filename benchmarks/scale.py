@@ -60,10 +60,13 @@ def run_world(
     _raise_open_files()
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
     context = multiprocessing.get_context("spawn")
-    bounds = [world.size * p // processes for p in range(processes + 1)]
+    # The coordinator (rank 0) in a process of its own, as on a real job: its threads do not
+    # share an interpreter lock with hundreds of other ranks'.
+    rest = world.size - 1
+    bounds = [0, *(1 + rest * p // processes for p in range(processes + 1))]
     pipes, workers = [], []
     started = time.perf_counter()
-    for p in range(processes):
+    for p in range(len(bounds) - 1):
         parent, child = context.Pipe()
         ranks = range(bounds[p], bounds[p + 1])
         # Past ~8,000 ranks each worker's clients connect to an address of its own: 3
@@ -373,7 +376,12 @@ def _manifest_size(root: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     arguments = cli.parser(__doc__, seed=False)
     arguments.add_argument("--ranks", default="256,1024,4096", help="worlds, comma-separated")
-    arguments.add_argument("--processes", type=int, default=4, help="worker processes (default 4)")
+    arguments.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="worker processes besides the coordinator's (default 4)",
+    )
     arguments.add_argument("--tp", type=int, default=8)
     arguments.add_argument("--pp", type=int, default=16)
     arguments.add_argument("--params-per-stage", type=int, default=1250)

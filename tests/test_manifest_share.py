@@ -9,9 +9,10 @@ import torch
 
 import trainsnap as ts
 from trainsnap.format.manifest import ManifestBuilder
-from trainsnap.format.manifest_part import PartIndex, Wants
+from trainsnap.format.manifest_part import PartIndex, Wants, merge
 from trainsnap.format.regions import Box, Flat
 from trainsnap.protocol import commit
+from trainsnap.protocol.manifest_share import MAX_CLASSES, classes_of, digest_of
 from trainsnap.testing import assert_all_ok, run_ranks
 
 # -- cutting a part -------------------------------------------------------------------------------
@@ -52,10 +53,10 @@ def _entries(part: Any) -> list[tuple[str, int, int]]:
     return list(zip(part.tensor_keys, part.tensor_ranks.tolist(), ns, strict=True))
 
 
-def test_a_part_holds_the_wanted_keys_and_only_the_shards_that_meet_the_ranks_regions() -> None:
+def test_a_shared_part_holds_the_global_entries_and_only_the_shards_that_meet_the_regions() -> None:
     m = _manifest()
-    part = PartIndex(m).part(Wants(("w",), {"w.big": (Box((3, 0), (2, 4)),)}), ranks=[1])
-    assert _entries(part) == [("w.big", -1, 2), ("w.mine", 1, 1)]
+    part = PartIndex(m).shared(Wants(("w",), {"w.big": (Box((3, 0), (2, 4)),)}))
+    assert _entries(part) == [("w.big", -1, 2)]  # per-rank "w.mine" is in each rank's own part
     assert [part.shard_region(s, (8, 4)) for s in range(2)] == [
         Box((2, 0), (2, 4)),
         Box((4, 0), (2, 4)),
@@ -70,32 +71,67 @@ def test_a_part_holds_the_wanted_keys_and_only_the_shards_that_meet_the_ranks_re
     assert part.step == m.step and part.topology == m.topology
 
 
-def test_a_part_without_regions_keeps_every_shard_and_each_ranks_own_entries() -> None:
+def test_an_own_part_holds_only_that_ranks_entries() -> None:
+    index = PartIndex(_manifest())
+    own = index.own([Wants(("w",), {}), Wants(("cfg",), {})], rank=2)
+    assert _entries(own) == [("w.mine", 2, 1)]
+    assert list(zip(own.value_keys, own.value_ranks.tolist(), strict=True)) == [("cfg.rank", 2)]
+    assert own.tree is None
+
+
+def test_merged_parts_are_one_manifest_in_the_saved_order_with_each_object_once() -> None:
     m = _manifest()
-    part = PartIndex(m).part(Wants(("w", "cfg"), {}), ranks=[0, 2])
-    assert _entries(part) == [("w.big", -1, 4), ("w.mine", 0, 1), ("w.mine", 2, 1)]
-    assert list(zip(part.value_keys, part.value_ranks.tolist(), strict=True)) == [
+    index = PartIndex(m)
+    cfg, w = Wants(("cfg",), {}), Wants(("w",), {})
+    merged = merge([index.shared(w), index.shared(cfg), index.own([cfg, w], 0)])
+    assert _entries(merged) == [("w.big", -1, 4), ("w.mine", 0, 1)]
+    assert list(zip(merged.value_keys, merged.value_ranks.tolist(), strict=True)) == [
         ("cfg.lr", -1),
         ("cfg.rank", 0),
-        ("cfg.rank", 2),
     ]
+    assert merged.tree == {"d": [["w", {"d": [["big", 0], ["mine", 0]]}], ["cfg", 0]]}
+    assert sorted(merged.object_names) == sorted({m.object_names[i] for i in (0, 1, 2, 3, 4, 6, 7)})
+    assert merged.nbytes == m.nbytes
+    # What a rank plans against is what the whole manifest says about these entries.
+    for t, key in enumerate(merged.tensor_keys):
+        (row,) = [
+            r
+            for r, k in enumerate(m.tensor_keys)
+            if k == key and m.tensor_ranks[r] == merged.tensor_ranks[t]
+        ]
+        assert merged.tensor_shapes[t] == m.tensor_shapes[row]
+        assert merged.tensor_dtypes[t] == m.tensor_dtypes[row]
 
 
 def test_a_rank_the_snapshot_has_no_entries_for_gets_the_lowest_ranks() -> None:
-    """On another world size rank 5 has no per-rank entry: the part keeps rank 0's so that the
+    """On another world size rank 5 has no per-rank entry: its part keeps rank 0's so that the
     load is refused as rank-bound, not as a missing key."""
-    part = PartIndex(_manifest()).part(Wants(("w.mine",), {}), ranks=[5])
-    assert _entries(part) == [("w.mine", 0, 1)]
+    own = PartIndex(_manifest()).own([Wants(("w.mine",), {})], rank=5)
+    assert _entries(own) == [("w.mine", 0, 1)]
 
 
 def test_flat_regions_keep_the_shards_their_row_major_span_meets() -> None:
-    part = PartIndex(_manifest()).part(Wants(("w",), {"w.big": (Flat(9, 8),)}), ranks=[0])
+    part = PartIndex(_manifest()).shared(Wants(("w",), {"w.big": (Flat(9, 8),)}))
     assert _entries(part)[0] == ("w.big", -1, 2)  # elements 9..16 lie in rows 2..4
 
 
 def test_a_top_key_selects_itself_and_what_is_under_it_not_its_namesakes() -> None:
-    part = PartIndex(_manifest()).part(Wants(("w.big", "oth"), {}), ranks=[0])
+    part = PartIndex(_manifest()).shared(Wants(("w.big", "oth"), {}))
     assert _entries(part) == [("w.big", -1, 4)]
+
+
+def test_wants_are_classed_by_top_level_key_so_replicas_share_all_but_their_own_slices() -> None:
+    """Two data-parallel ranks of a ZeRO layout: the same model shard, each its own optimizer
+    slice. They share the model's class and differ only in the optimizer's."""
+    model = {"model.w": (Box((0, 0), (4, 8)),)}
+    rank0 = Wants(("model", "optim"), {**model, "optim.w": (Flat(0, 16),)})
+    rank1 = Wants(("model", "optim"), {**model, "optim.w": (Flat(16, 16),)})
+    d0 = [digest_of(c) for c in classes_of(rank0)]
+    d1 = [digest_of(c) for c in classes_of(rank1)]
+    assert d0[0] == d1[0] and d0[1] != d1[1]
+    assert classes_of(rank0)[1] == Wants(("optim",), {"optim.w": (Flat(0, 16),)})
+    many = Wants(tuple(f"k{i}" for i in range(MAX_CLASSES + 1)), {})
+    assert classes_of(many) == [many]  # a flat dict of many tensors is one class
 
 
 # -- four real ranks ------------------------------------------------------------------------------
@@ -173,7 +209,7 @@ def test_a_load_on_four_ranks_reads_the_manifest_once_and_hands_each_rank_its_pa
     out = assert_all_ok(run_ranks(_counted_load, 4, args=(root,), timeout=120))
     reads = [len(o["manifest_reads"]) for o in out]
     assert reads == [1, 0, 0, 0], reads  # the coordinator's read, nobody else's
-    # Replicas (ranks 0 and 2, 1 and 3) share one part: their row shard of each key (not the
-    # other one) and their two counters.
-    assert [o["shards"] for o in out] == [4 + 2] * 4
-    assert [o["tensor_ranks"] for o in out] == [[-1, r % 2, r % 2 + 2] for r in range(4)]
+    # Each rank's part: its row shard of each key (shared with its replica: ranks 0 and 2, 1
+    # and 3), not the other one, and its own counter, not the other ranks'.
+    assert [o["shards"] for o in out] == [4 + 1] * 4
+    assert [o["tensor_ranks"] for o in out] == [[-1, r] for r in range(4)]

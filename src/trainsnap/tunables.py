@@ -38,6 +38,11 @@ class Tunables:
     other what they read (:mod:`trainsnap.protocol.replica_reads`): 1 where it helps (an object
     store, or replicas on different hosts), 2 always, 0 never (every rank reads all it needs)."""
 
+    replica_group_max: int = 32
+    """Most ranks that share the reads of one top-level key: more replicas are cut into groups of
+    consecutive ranks this size, so that no rank's exchange (and its metadata) grows with the
+    world; each group reads its bytes once."""
+
     report_inline_max: int = 512
     """A rank's encoded write report larger than this many bytes is written to storage
     (``snapshots/<id>/reports/<rank>``) and only its size and digest go through the control

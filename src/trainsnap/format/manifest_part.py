@@ -1,27 +1,33 @@
-"""The part of a manifest one group of ranks needs for a load.
+"""The parts of a manifest the ranks of a load need.
 
 A load reads the manifest from storage once, on the coordinator; every other rank receives only
-the part that concerns it (:mod:`trainsnap.protocol.manifest_share`). A part is itself a
-:class:`~trainsnap.format.manifest.Manifest`, so the rank's planning code is the same whether it
-holds the whole manifest or a part:
+what concerns it (:mod:`trainsnap.protocol.manifest_share`), in pieces that many ranks share:
 
-* the header (step, level, topology, versions, ...) whole;
-* the tree, and the tensor and value entries, under the top-level keys the state asks for;
-* of a tensor whose destination on these ranks is sharded, only the saved shards that meet those
-  shards (every other tensor keeps all its shards: a placeholder filled from the snapshot needs
-  them, and a sharded one with no destination must still be refused as such);
-* of a per-rank entry, the entries of these ranks, or the lowest rank's when none of them has
-  one (so a load on another world size is still refused as rank-bound, not as a missing key);
-* the objects those chunks name, with their block checksums: every block read is still verified.
+* a **shared part** for each distinct :class:`Wants` -- one top-level key and the regions a rank
+  holds under it, so that the data-parallel replicas of a model share the model's part even when
+  their (ZeRO-sharded) optimizer parts all differ -- holding the global entries under it: of a
+  tensor whose destination is sharded, only the saved shards that meet those regions (every other
+  tensor keeps all its shards: a placeholder filled from the snapshot needs them, and a sharded
+  one with no destination must still be refused as such);
+* an **own part** for each rank: its per-rank entries under its keys, or the lowest rank's where
+  it has none (so a load on another world size is still refused as rank-bound, not as a missing
+  key);
+* each carries the header (step, level, topology, versions, ...) whole, the tree under its keys,
+  and the objects its chunks name with their block checksums: every block read is still verified.
 
-Pure: no torch, no I/O. A part does not tile its tensors (it holds only what meets the group's
+A rank merges its parts (:func:`merge`) into one :class:`~trainsnap.format.manifest.Manifest`,
+so its planning code is the same whether it holds the whole manifest or its parts. The
+coordinator's work is one cut per distinct wants and one small cut per rank; no rank holds the
+world's shards.
+
+Pure: no torch, no I/O. A part does not tile its tensors (it holds only what meets the ranks'
 shards), so it is handed between ranks as an object, never encoded as a manifest.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,33 +56,86 @@ class PartIndex:
         self._tensors = _KeyIndex(manifest.tensor_keys, manifest.tensor_ranks.tolist())
         self._values = _KeyIndex(manifest.value_keys, manifest.value_ranks.tolist())
 
-    def part(self, wants: Wants, ranks: Collection[int]) -> Manifest:
-        """The part of the manifest that ranks ``ranks``, all with these ``wants``, need."""
+    def shared(self, wants: Wants) -> Manifest:
+        """The global entries under ``wants.tops``, cut to ``wants.regions``; its tree."""
+        part = self._cut(
+            [(t, wants.regions) for t in self._tensors.global_rows(wants.tops)],
+            self._values.global_rows(wants.tops),
+        )
+        part.tree = _tree_part(self.m.tree, wants.tops)
+        return part
+
+    def own(self, wants: Sequence[Wants], rank: int) -> Manifest:
+        """Rank ``rank``'s per-rank entries under the keys of its ``wants`` (the lowest rank's
+        of a key it has none of). Costs the per-rank keys under those keys, not the world."""
+        tensors = [(t, w.regions) for w in wants for t in self._tensors.own_rows(w.tops, rank)]
+        values = [v for w in wants for v in self._values.own_rows(w.tops, rank)]
+        part = self._cut(tensors, values)
+        part.tree = None
+        return part
+
+    def _cut(
+        self, tensors: Sequence[tuple[int, Mapping[str, tuple[Region, ...]]]], values: Sequence[int]
+    ) -> Manifest:
         m = self.m
         builder = ManifestBuilder(**_header(m))
-        objects: dict[int, int] = {}
-        ss, cs = m.shard_start(), m.chunk_start()
-        for t in self._tensors.rows(wants.tops, ranks):
-            shape = m.tensor_shapes[t]
-            kept: Sequence[int] = range(int(ss[t]), int(ss[t + 1]))
-            regions = wants.regions.get(m.tensor_keys[t])
-            if regions is not None:
-                kept = _meeting(m, t, regions)
-            new = builder.add_tensor(
-                m.tensor_keys[t], int(m.tensor_ranks[t]), m.tensor_dtypes[t], shape
-            )
+        objects = _Objects(builder)
+        ss = m.shard_start()
+        for t, wanted in tensors:
+            key, shape = m.tensor_keys[t], m.tensor_shapes[t]
+            regions = wanted.get(key)
+            kept = range(int(ss[t]), int(ss[t + 1])) if regions is None else _meeting(m, t, regions)
+            new = builder.add_tensor(key, int(m.tensor_ranks[t]), m.tensor_dtypes[t], shape)
             for s in kept:
-                chunks = _chunks(m, builder, objects, int(cs[s]), int(cs[s + 1]))
-                builder.add_shard(new, m.shard_region(s, shape), chunks)
+                builder.add_shard(new, m.shard_region(s, shape), objects.chunks(m, s))
         base = m.value_chunk_base()
-        for v in self._values.rows(wants.tops, ranks):
-            owner = base + v
-            chunks = _chunks(m, builder, objects, int(cs[owner]), int(cs[owner + 1]))
+        for v in values:
+            chunks = objects.chunks(m, base + v)
             builder.add_value(m.value_keys[v], int(m.value_ranks[v]), m.value_codecs[v], chunks)
         part = builder.build()
-        part.tree = _tree_part(m.tree, wants.tops)
         part.whole_nbytes = m.nbytes
         return part
+
+
+def merge(parts: Sequence[Manifest], order: Sequence[str] = ()) -> Manifest:
+    """One manifest of a rank's ``parts`` (from one snapshot), for its planning: their entries
+    and objects (each object once), and their trees' top-level keys in the saved ``order``."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    builder = ManifestBuilder(**_header(first))
+    objects = _Objects(builder)
+    for m in parts:
+        ss = m.shard_start()
+        for t, key in enumerate(m.tensor_keys):
+            shape = m.tensor_shapes[t]
+            new = builder.add_tensor(key, int(m.tensor_ranks[t]), m.tensor_dtypes[t], shape)
+            for s in range(int(ss[t]), int(ss[t + 1])):
+                builder.add_shard(new, m.shard_region(s, shape), objects.chunks(m, s))
+        base = m.value_chunk_base()
+        for v, key in enumerate(m.value_keys):
+            chunks = objects.chunks(m, base + v)
+            builder.add_value(key, int(m.value_ranks[v]), m.value_codecs[v], chunks)
+    merged = builder.build()
+    merged.whole_nbytes = first.nbytes
+    merged.tree = _merged_tree([m.tree for m in parts], order)
+    return merged
+
+
+def _merged_tree(trees: Sequence[Any], order: Sequence[str]) -> Any:
+    """The top-level items of ``trees`` in one container, in ``order`` (then as found)."""
+    found = [t for t in trees if t is not None]
+    if not found:
+        return None
+    pairs = [pair for t in found for pair in tree.items(t)]
+    position = {top: i for i, top in enumerate(order)}
+    pairs.sort(key=lambda pair: position.get(tree.join("", pair[0]), len(position)))
+    return tree.mapping(tree.kind(found[0]), pairs)
+
+
+def tree_order(root: Any) -> list[str]:
+    """The saved tree's top-level keys, dotted, in their order."""
+    return [] if root is None else [tree.join("", k) for k, _ in tree.items(root)]
 
 
 def _header(m: Manifest) -> dict[str, object]:
@@ -100,40 +159,53 @@ def _header(m: Manifest) -> dict[str, object]:
 
 
 class _KeyIndex:
-    """Rows of a table (tensors or values) by key, and the keys in sorted order, so that the
-    entries under a dotted prefix are one binary search away."""
+    """Rows of a table (tensors or values) by key and by (key, rank), and the keys of global and
+    of per-rank rows each in sorted order, so that the entries under a dotted prefix are a
+    binary search away and a rank's own rows a lookup."""
 
     def __init__(self, keys: Sequence[str], ranks: Sequence[int]) -> None:
-        self._rows: dict[str, list[int]] = {}
-        for row, key in enumerate(keys):
-            self._rows.setdefault(key, []).append(row)
-        self._sorted = sorted(self._rows)
-        self._ranks = ranks
-
-    def rows(self, tops: Sequence[str], ranks: Collection[int]) -> list[int]:
-        """Rows under ``tops``: global entries, and the per-rank entries of ``ranks`` (or the
-        lowest rank's, when none of ``ranks`` has one), in table order."""
-        out: list[int] = []
-        for key in self._keys_under(tops):
-            rows = self._rows[key]
-            if len(rows) == 1 and self._ranks[rows[0]] == -1:
-                out.append(rows[0])
+        self._global_rows: dict[str, list[int]] = {}
+        self._own: dict[tuple[str, int], list[int]] = {}
+        self._lowest: dict[str, tuple[int, int]] = {}  # key -> (rank, row) of its lowest rank
+        for row, (key, rank) in enumerate(zip(keys, ranks, strict=True)):
+            if rank == -1:
+                self._global_rows.setdefault(key, []).append(row)
                 continue
-            mine = [r for r in rows if self._ranks[r] == -1 or self._ranks[r] in ranks]
-            out += mine or [min(rows, key=lambda r: self._ranks[r])]
+            self._own.setdefault((key, rank), []).append(row)
+            if key not in self._lowest or rank < self._lowest[key][0]:
+                self._lowest[key] = (rank, row)
+        self._global = sorted(self._global_rows)
+        self._scoped = sorted(self._lowest)
+
+    def global_rows(self, tops: Sequence[str]) -> list[int]:
+        """Global rows under ``tops``, in table order."""
+        return sorted(r for key in _under(self._global, tops) for r in self._global_rows[key])
+
+    def own_rows(self, tops: Sequence[str], rank: int) -> list[int]:
+        """Per-rank rows of ``rank`` under ``tops`` (the lowest rank's of a key ``rank`` has
+        none of, unless the key also has a global row), in table order."""
+        out: list[int] = []
+        for key in _under(self._scoped, tops):
+            mine = self._own.get((key, rank))
+            if mine is None and key not in self._global_rows:
+                mine = [self._lowest[key][1]]
+            out += mine or ()
         out.sort()
         return out
 
-    def _keys_under(self, tops: Sequence[str]) -> dict[str, None]:
-        keys: dict[str, None] = {}
-        for top in tops:
-            if top in self._rows:
-                keys[top] = None
-            # Every key that starts with "top." sorts between "top." and "top/" ("/" follows ".").
-            lo = bisect.bisect_left(self._sorted, top + ".")
-            hi = bisect.bisect_left(self._sorted, top + "/", lo)
-            keys.update(dict.fromkeys(self._sorted[lo:hi]))
-        return keys
+
+def _under(ordered: list[str], tops: Sequence[str]) -> dict[str, None]:
+    """The keys of ``ordered`` (sorted) that are one of ``tops`` or lie under one."""
+    keys: dict[str, None] = {}
+    for top in tops:
+        at = bisect.bisect_left(ordered, top)
+        if at < len(ordered) and ordered[at] == top:
+            keys[top] = None
+        # Every key that starts with "top." sorts between "top." and "top/" ("/" follows ".").
+        lo = bisect.bisect_left(ordered, top + ".")
+        hi = bisect.bisect_left(ordered, top + "/", lo)
+        keys.update(dict.fromkeys(ordered[lo:hi]))
+    return keys
 
 
 def _meeting(m: Manifest, tensor: int, regions: Sequence[Region]) -> list[int]:
@@ -163,18 +235,29 @@ def _meeting(m: Manifest, tensor: int, regions: Sequence[Region]) -> list[int]:
     return out
 
 
-def _chunks(
-    m: Manifest, builder: ManifestBuilder, objects: dict[int, int], lo: int, hi: int
-) -> list[tuple[int, int, int]]:
-    """Chunk rows ``[lo, hi)`` with their objects added to the part (renumbered)."""
-    out = []
-    for c in range(lo, hi):
-        o = int(m.chunk_object[c])
-        new = objects.get(o)
+class _Objects:
+    """The objects of a part being built, each added once (by name) and renumbered."""
+
+    def __init__(self, builder: ManifestBuilder) -> None:
+        self._builder = builder
+        self._new: dict[str, int] = {}
+
+    def chunks(self, m: Manifest, owner: int) -> list[tuple[int, int, int]]:
+        """The chunks of shard (or value) row ``owner`` of ``m``, their objects added."""
+        cs = m.chunk_start()
+        out = []
+        for c in range(int(cs[owner]), int(cs[owner + 1])):
+            o = int(m.chunk_object[c])
+            out.append((self._object(m, o), int(m.chunk_offset[c]), int(m.chunk_length[c])))
+        return out
+
+    def _object(self, m: Manifest, o: int) -> int:
+        name = m.object_names[o]
+        new = self._new.get(name)
         if new is None:
             compressed = m.compressed(o)
-            new = objects[o] = builder.add_object(
-                m.object_names[o],
+            new = self._new[name] = self._builder.add_object(
+                name,
                 int(m.object_sizes[o]),
                 m.object_blocks(o),
                 m.object_codecs[o],
@@ -182,8 +265,7 @@ def _chunks(
                 frames=m.object_frames(o).tolist() if compressed else (),
                 raw_digests=m.object_raw_blocks(o) if compressed else b"",
             )
-        out.append((new, int(m.chunk_offset[c]), int(m.chunk_length[c])))
-    return out
+        return new
 
 
 def _tree_part(root: Any, tops: Sequence[str]) -> Any:

@@ -5,32 +5,39 @@ reading and decoding it would pull that from storage once per rank and plan agai
 never touches. Instead, on a load of more than one rank:
 
 1. (all ranks) say what their state asks for (:func:`wants_of`: top-level keys, and the regions
-   of tensors filled in place by a shard), as a digest.
-2. (coordinator) group the ranks by digest (data-parallel replicas share one) and broadcast the
-   rank that speaks for each group.
-3. (all ranks) those ranks send their wants.
+   of tensors filled in place by a shard), one digest per top-level key (:func:`classes_of`), so
+   that ranks that ask the same under a key -- the data-parallel replicas of a model, even when
+   each holds its own ZeRO slice of the optimizer -- fall in one class for it.
+2. (coordinator) group the ranks by class and tell each rank which classes it speaks for (their
+   first rank).
+3. (all ranks) the speakers send those classes' wants: the coordinator takes in each distinct
+   wants once, not once per rank.
 4. (coordinator) open the snapshot -- marker, manifest checksum, validation, the only read of the
-   manifest in the job -- cut one part per group (:mod:`trainsnap.format.manifest_part`, with
-   the per-rank entries of the group's ranks) and publish it once in the store; broadcast that
-   the parts are ready, or why there are none (the same error then stops every rank).
-5. (all ranks) fetch their group's part: a rank's metadata is its own pieces, not the world's.
+   manifest in the job -- cut one shared part per class and publish it once in the store; send
+   each rank its own part (its per-rank entries) and with whom it shares reads, or why there are
+   no parts (the same error then stops every rank).
+5. (all ranks) fetch their classes' parts and merge them with their own
+   (:func:`trainsnap.format.manifest_part.merge`): a rank's metadata is its own pieces, not the
+   world's, and the coordinator's work is one cut per distinct wants plus one small one per rank.
 
-A failure on the coordinator at any step is broadcast in the decision the ranks wait for, so no
-rank waits for an exchange that will not come; a rank that dies is named by the heartbeat.
+A failure on the coordinator at any step is sent in the decision the ranks wait for, so no rank
+waits for an exchange that will not come; a rank that dies is named by the heartbeat.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import pickle
 import socket
 from collections.abc import Mapping
 from typing import Any
 
+from trainsnap import tunables
 from trainsnap.errors import TrainsnapError
 from trainsnap.format import tree
 from trainsnap.format.manifest import Manifest
-from trainsnap.format.manifest_part import PartIndex, Wants
+from trainsnap.format.manifest_part import PartIndex, Wants, merge, tree_order
 from trainsnap.format.regions import Box, Region
 from trainsnap.protocol import commit, replica_reads
 from trainsnap.protocol.control_plane import Comm, Session
@@ -39,6 +46,13 @@ from trainsnap.protocol.replica_reads import Sharing
 from trainsnap.state.capture import is_stateful, state_dict_of, targets
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
+
+MAX_CLASSES = 64
+"""A state with more top-level keys than this (a flat dict of tensors) is one class: its digests
+would outweigh the sharing they allow."""
+WHOLE = "whole"
+"""The name the whole manifest is published under, for ranks whose state cannot say what it
+wants."""
 
 
 def wants_of(state: Any) -> Wants | None:
@@ -62,6 +76,25 @@ def wants_of(state: Any) -> Wants | None:
     return Wants(tuple(tops), {k: tuple(r) for k, r in regions.items()})
 
 
+def classes_of(wants: Wants) -> list[Wants]:
+    """``wants`` cut by top-level key: what the state asks under each (one class for a state
+    of more than :data:`MAX_CLASSES` keys)."""
+    if len(wants.tops) > MAX_CLASSES:
+        return [wants]
+    tops = set(wants.tops)
+    under: dict[str, dict[str, tuple[Region, ...]]] = {top: {} for top in wants.tops}
+    for key, regions in wants.regions.items():
+        top = replica_reads.top_of(key, tops)
+        if top is not None:
+            under[top][key] = regions
+    return [Wants((top,), under[top]) for top in wants.tops]
+
+
+def digest_of(wants: Wants) -> str:
+    items = (wants.tops, sorted(wants.regions.items()))
+    return hashlib.blake2b(pickle.dumps(items), digest_size=16).hexdigest()
+
+
 def manifest_for(
     storage: Storage, snapshot_id: str, state: Any, comm: Comm, session: Session
 ) -> tuple[Manifest, Sharing, bool]:
@@ -72,116 +105,128 @@ def manifest_for(
     if comm.world_size == 1:
         return commit.open_snapshot(storage, snapshot_id), [], False
     wants = wants_of(state)
-    digest = hashlib.blake2b(pickle.dumps(wants), digest_size=16).hexdigest()
+    classes = [] if wants is None else classes_of(wants)
+    digests = None if wants is None else [digest_of(c) for c in classes]
     error: TrainsnapError | None = None
-    speakers: dict[str, list[int]] = {}
-    hosts: list[str] = []
+    plan: _Plan | None = None
     try:
-        said_digests = session.gather("wants-digest", (digest, socket.gethostname()))
-        if said_digests is not None:
-            speakers = _groups([d for d, _ in said_digests])
-            hosts = [h for _, h in said_digests]
-    except TrainsnapError as e:
-        error = _only_on_coordinator(e, comm)
-    coordinator = comm.coordinator
-    speakers = decided(session.broadcast("wants-from", told(speakers, error)), error, coordinator)
-    asked = any(ranks[0] == comm.rank for ranks in speakers.values())
-    mine: tuple[Manifest, Sharing] | None = None
-    share = False
-    try:
-        said = session.gather("wants", wants if asked else None)
+        said = session.gather("wants-digest", (digests, socket.gethostname()))
         if said is not None:
-            mode = replica_reads.mode(comm.world_size)
-            sharing = _sharing(speakers, said, hosts, mode, local="://" not in storage.url)
-            share = any(sharing.values())
-            mine = _publish(storage, snapshot_id, speakers, said, sharing, digest, comm, session)
+            plan = _Plan(said)
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
-    share = decided(session.broadcast("manifest-parts", told(share, error)), error, coordinator)
-    if mine is None:
-        mine = session.fetch("manifest-part", digest)
-    part, shared = mine
-    return part, shared, share
+    speaks = _scatter(session, "wants-from", comm, error, None if plan is None else plan.speakers)
+    sent: list[list[Any]] | None = None
+    try:
+        spoken = [(digests[i], classes[i]) for i in speaks] if digests is not None else []
+        heard = session.gather("wants", spoken or None)
+        if heard is not None and plan is not None:
+            local = "://" not in storage.url
+            sent = plan.publish(storage, snapshot_id, heard, comm, session, local)
+    except TrainsnapError as e:
+        error = _only_on_coordinator(e, comm)
+    own, sharing, share, shared = _scatter(session, "manifest-parts", comm, error, sent)
+    if shared is None:  # not the coordinator: fetch what it published
+        names = [WHOLE] if digests is None else digests
+        shared = [session.fetch("manifest-part", name) for name in names]
+    parts = [part for _, part in sorted(shared, key=lambda entry: entry[0])]
+    return merge(parts if own is None else [*parts, own]), sharing, share
+
+
+def _scatter(
+    session: Session, tag: str, comm: Comm, error: TrainsnapError | None, objs: list[Any] | None
+) -> Any:
+    """(all ranks) This rank's part of the coordinator's ``objs``, or its failure raised."""
+    if comm.is_coordinator:
+        assert objs is not None or error is not None
+        objs = [told(None, error)] * comm.world_size if error is not None else objs
+    return decided(session.scatter(tag, objs), error, comm.coordinator)
 
 
 def _only_on_coordinator(error: TrainsnapError, comm: Comm) -> TrainsnapError:
-    """A coordinator's failure is broadcast to the others; any other rank's is raised."""
+    """A coordinator's failure is sent to the others; any other rank's is raised."""
     if not comm.is_coordinator:
         raise error
     return error
 
 
-def _groups(digests: list[str]) -> dict[str, list[int]]:
-    """Ranks by the digest of their wants; the first of each group speaks for it."""
-    groups: dict[str, list[int]] = {}
-    for rank, digest in enumerate(digests):
-        groups.setdefault(digest, []).append(rank)
-    return groups
+class _Plan:
+    """(coordinator) The classes of a load's ranks, and what each rank is sent."""
 
+    def __init__(self, said: list[tuple[list[str] | None, str]]) -> None:
+        self.digests = [digests for digests, _ in said]
+        self.hosts = [host for _, host in said]
+        self.members: dict[str, list[int]] = {}  # ranks in order: sorted
+        for rank, digests in enumerate(self.digests):
+            for digest in [WHOLE] if digests is None else digests:
+                self.members.setdefault(digest, []).append(rank)
+        self.speakers = [
+            [i for i, d in enumerate(digests or ()) if self.members[d][0] == rank]
+            for rank, digests in enumerate(self.digests)
+        ]
+        self._spread: dict[tuple[int, ...], bool] = {}
 
-def _publish(
-    storage: Storage,
-    snapshot_id: str,
-    groups: dict[str, list[int]],
-    said: list[Any],
-    sharing: dict[str, Sharing],
-    own_digest: str,
-    comm: Comm,
-    session: Session,
-) -> tuple[Manifest, Sharing]:
-    """(coordinator) Read the manifest, publish each group's part with its sharing; return the
-    coordinator's own."""
-    manifest = commit.open_snapshot(storage, snapshot_id)
-    index = PartIndex(manifest)
-    mine: tuple[Manifest, Sharing] = (manifest, [])
-    for digest, ranks in groups.items():
-        wants = said[ranks[0]]
-        part = manifest if wants is None else index.part(wants, ranks)
-        readers = sum(1 for r in ranks if r != comm.rank)
-        session.publish("manifest-part", digest, (part, sharing[digest]), readers)
-        if digest == own_digest:
-            mine = (part, sharing[digest])
-    return mine
+    def publish(
+        self,
+        storage: Storage,
+        snapshot_id: str,
+        heard: list[Any],
+        comm: Comm,
+        session: Session,
+        local: bool,
+    ) -> list[list[Any]]:
+        """Read the manifest, publish each class's part; return what each rank is sent: its
+        own part, its sharing, whether any rank shares, and (the coordinator's) shared parts."""
+        manifest = commit.open_snapshot(storage, snapshot_id)
+        index = PartIndex(manifest)
+        wants = {digest: w for said in heard for digest, w in (said or ())}
+        position = {top: i for i, top in enumerate(tree_order(manifest.tree))}
+        coordinator: dict[str, tuple[int, Manifest]] = {}
+        own_classes = set(self.digests[comm.rank] or [WHOLE])
+        for digest, ranks in self.members.items():
+            if digest == WHOLE:
+                entry = (0, manifest)
+            else:
+                tops = wants[digest].tops
+                at = min((position.get(top, len(position)) for top in tops), default=0)
+                entry = (at, index.shared(wants[digest]))
+            session.publish("manifest-part", digest, entry, sum(r != comm.rank for r in ranks))
+            if digest in own_classes:
+                coordinator[digest] = entry
+        mode = replica_reads.mode(comm.world_size)
+        sharing = [self._sharing(rank, wants, mode, local) for rank in range(len(self.digests))]
+        share = any(sharing)
+        out = []
+        for rank, digests in enumerate(self.digests):
+            own = None if digests is None else index.own([wants[d] for d in digests], rank)
+            mine = None
+            if rank == comm.rank:
+                mine = [coordinator[d] for d in ([WHOLE] if digests is None else digests)]
+            out.append([own, sharing[rank], share, mine])
+        return out
 
-
-def _sharing(
-    groups: dict[str, list[int]], said: list[Any], hosts: list[str], mode: int, local: bool
-) -> dict[str, Sharing]:
-    """(coordinator) For each group, the ranks it shares reads with, by top-level key: the
-    ranks of every group whose wants under that key are the same (data-parallel replicas of
-    those tensors), when sharing helps (``mode`` 2: always; 1: when the storage is not a
-    local file system -- an object store charges every request -- or the replicas are on
-    different hosts, whose page caches do not share what one of them read; 0: never). A state
-    that cannot say what it wants shares nothing."""
-    tops_of = {d: _top_digests(said[ranks[0]]) for d, ranks in groups.items()}
-    classes: dict[tuple[str, str], list[int]] = {}
-    for digest, ranks in groups.items():
-        for top_and_sub in (tops_of[digest] or {}).items():
-            classes.setdefault(top_and_sub, []).extend(ranks)
-    out: dict[str, Sharing] = {}
-    for digest in groups:
+    def _sharing(self, rank: int, wants: Mapping[str, Wants], mode: int, local: bool) -> Sharing:
+        """With whom ``rank`` shares reads, by top-level key: the ranks of each of its classes
+        (their wants under that key are the same: data-parallel replicas of those tensors), cut
+        into consecutive groups of at most ``replica_group_max``, when sharing helps (``mode``
+        2: always; 1: when the storage is not a local file system -- an object store charges
+        every request -- or the group spans hosts, whose page caches do not share what one of
+        them read; 0: never). A state that cannot say what it wants shares nothing."""
+        digests = self.digests[rank]
+        if mode == 0 or digests is None:
+            return []
+        size = max(2, tunables.get().replica_group_max)
         by_members: dict[tuple[int, ...], list[str]] = {}
-        for top, sub in (tops_of[digest] or {}).items():
-            members = tuple(sorted(classes[top, sub]))
-            spread = len({hosts[m] for m in members}) > 1
-            if len(members) > 1 and (mode == 2 or (mode == 1 and (spread or not local))):
-                by_members.setdefault(members, []).append(top)
-        out[digest] = [(members, tuple(tops)) for members, tops in sorted(by_members.items())]
-    return out
+        for digest in digests:
+            members = self.members[digest]
+            first = bisect.bisect_left(members, rank) // size * size
+            group = tuple(members[first : first + size])
+            if len(group) > 1 and (mode == 2 or not local or self._spans_hosts(group)):
+                by_members.setdefault(group, []).extend(wants[digest].tops)
+        return [(members, tuple(tops)) for members, tops in sorted(by_members.items())]
 
-
-def _top_digests(wants: Wants | None) -> dict[str, str] | None:
-    """A digest of what ``wants`` asks under each of its top-level keys (the regions of the
-    tensors under it)."""
-    if wants is None:
-        return None
-    tops = set(wants.tops)
-    under: dict[str, list[Any]] = {top: [] for top in wants.tops}
-    for key, regions in sorted(wants.regions.items()):
-        top = replica_reads.top_of(key, tops)
-        if top is not None:
-            under[top].append((key, regions))
-    return {
-        top: hashlib.blake2b(pickle.dumps(items), digest_size=16).hexdigest()
-        for top, items in under.items()
-    }
+    def _spans_hosts(self, group: tuple[int, ...]) -> bool:
+        spread = self._spread.get(group)
+        if spread is None:
+            spread = self._spread[group] = len({self.hosts[r] for r in group}) > 1
+        return spread
