@@ -24,6 +24,7 @@ import torch
 
 import trainsnap as ts
 from trainsnap import trace
+from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.protocol import save_protocol
 from trainsnap.protocol.control_plane import StoreComm
 from trainsnap.protocol.load_protocol import run_load
@@ -290,15 +291,16 @@ class Worker:
                         moment.local.add_(1)
             state["rng"]["state"] += 1
         elif phase == "load":
-            run_load(
-                state,
-                self.storage,  # type: ignore[arg-type]
-                "latest",
-                comm,
-                level="strict",
-                allow_downgrade=True,
-                allow_pickle=False,
-            )
+            with paused_gc():  # as trainsnap.load runs it
+                run_load(
+                    state,
+                    self.storage,  # type: ignore[arg-type]
+                    "latest",
+                    comm,
+                    level="strict",
+                    allow_downgrade=True,
+                    allow_pickle=False,
+                )
         else:
             raise ValueError(f"unknown phase {phase!r}")
 

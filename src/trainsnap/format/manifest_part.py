@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from trainsnap.format import tree
-from trainsnap.format.manifest import BOX, Manifest, ManifestBuilder
+from trainsnap.format.manifest import FLAT, Manifest, ManifestBuilder
 from trainsnap.format.regions import Box, Region, linear_span
 
 
@@ -214,18 +214,21 @@ def _meeting(m: Manifest, tensor: int, regions: Sequence[Region]) -> list[int]:
     shape = m.tensor_shapes[tensor]
     ss = m.shard_start()
     lo, hi = int(ss[tensor]), int(ss[tensor + 1])
-    kinds = m.shard_kind[lo:hi]
     boxes = [r for r in regions if isinstance(r, Box)]
-    if len(boxes) == len(regions) and bool(np.all(kinds == BOX)) and shape:
+    if len(boxes) == len(regions) and shape and FLAT not in m.shard_kind[lo:hi].tolist():
         ndim = len(shape)
         g0 = int(m.geo_start()[lo])
-        geo = m.shard_geo[g0 : g0 + 2 * ndim * (hi - lo)].reshape(hi - lo, 2, ndim)
-        offsets, sizes = geo[:, 0, :], geo[:, 1, :]
-        meets = np.zeros(hi - lo, bool)
-        for box in boxes:
-            start, size = np.array(box.offsets), np.array(box.sizes)
-            meets |= np.all((offsets < start + size) & (start < offsets + sizes), axis=1)
-        return [lo + int(i) for i in np.flatnonzero(meets)]
+        geo = m.shard_geo[g0 : g0 + 2 * ndim * (hi - lo)]
+        if hi - lo > _FEW:
+            return [lo + int(i) for i in np.flatnonzero(_meets(geo.reshape(-1, 2, ndim), boxes))]
+        flat = geo.tolist()  # a few shards (a tensor-parallel split): numpy costs more
+        out = []
+        for i in range(hi - lo):
+            at = 2 * ndim * i
+            offsets, sizes = flat[at : at + ndim], flat[at + ndim : at + 2 * ndim]
+            if any(_box_meets(offsets, sizes, box) for box in boxes):
+                out.append(lo + i)
+        return out
     spans = [linear_span(r, shape) for r in regions]
     out = []
     for s in range(lo, hi):
@@ -233,6 +236,27 @@ def _meeting(m: Manifest, tensor: int, regions: Sequence[Region]) -> list[int]:
         if any(a < y and x < b for x, y in spans):
             out.append(s)
     return out
+
+
+_FEW = 32
+"""Shards of one tensor up to which meeting is tested in Python, not numpy."""
+
+
+def _box_meets(offsets: Sequence[int], sizes: Sequence[int], box: Box) -> bool:
+    for o, z, b, n in zip(offsets, sizes, box.offsets, box.sizes, strict=True):
+        if o >= b + n or b >= o + z:
+            return False
+    return True
+
+
+def _meets(geo: np.ndarray, boxes: Sequence[Box]) -> np.ndarray:
+    """Which of the shard boxes ``geo`` (shards x (offsets, sizes) x dims) meet any of ``boxes``."""
+    offsets, sizes = geo[:, 0, :], geo[:, 1, :]
+    meets = np.zeros(len(geo), bool)
+    for box in boxes:
+        start, size = np.array(box.offsets), np.array(box.sizes)
+        meets |= np.all((offsets < start + size) & (start < offsets + sizes), axis=1)
+    return meets
 
 
 class _Objects:
