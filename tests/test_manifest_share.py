@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import trainsnap as ts
+from trainsnap import tunables
 from trainsnap.format.manifest import ManifestBuilder
 from trainsnap.format.manifest_part import PartIndex, Wants, merge
 from trainsnap.format.regions import Box, Flat
@@ -132,6 +133,24 @@ def test_wants_are_classed_by_top_level_key_so_replicas_share_all_but_their_own_
     assert classes_of(rank0)[1] == Wants(("optim",), {"optim.w": (Flat(0, 16),)})
     many = Wants(tuple(f"k{i}" for i in range(MAX_CLASSES + 1)), {})
     assert classes_of(many) == [many]  # a flat dict of many tensors is one class
+
+
+def test_replicas_share_reads_in_groups_of_bounded_size_split_by_key() -> None:
+    """Six ranks: one class for "model" (all six), "optim" their own (ZeRO), "rng" all six.
+    With groups of at most 4, ranks 0-3 share, and 4-5; nobody shares its own slice."""
+    from trainsnap.protocol.manifest_share import _Plan
+
+    tunables.set_for_testing(tunables.Tunables(replica_group_max=4))
+    said = [(["model", f"optim{r}", "rng"], "host") for r in range(6)]
+    plan = _Plan(said)  # type: ignore[arg-type]
+    assert plan.speakers == [[0, 1, 2], [1], [1], [1], [1], [1]]  # rank 0 speaks for "model", "rng"
+    wants = {digest: Wants((digest.rstrip("0123456789"),), {}) for digest in plan.members}
+    sharing = [plan._sharing(r, wants, mode=2, local=True) for r in range(6)]
+    assert sharing[0] == [((0, 1, 2, 3), ("model", "rng"))]
+    assert sharing[3] == sharing[0]
+    assert sharing[5] == [((4, 5), ("model", "rng"))]
+    assert [plan._sharing(r, wants, mode=1, local=True) for r in range(6)] == [[]] * 6  # one host
+    assert plan._sharing(0, wants, mode=0, local=False) == []
 
 
 # -- four real ranks ------------------------------------------------------------------------------
