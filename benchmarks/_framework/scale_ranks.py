@@ -11,6 +11,7 @@ rank and the worker's own figures. Not part of trainsnap.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import resource
 import threading
@@ -26,7 +27,7 @@ import trainsnap as ts
 from trainsnap import trace
 from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.protocol import save_protocol
-from trainsnap.protocol.control_plane import StoreComm
+from trainsnap.protocol.control_plane import StoreComm, Timeouts
 from trainsnap.protocol.load_protocol import run_load
 from trainsnap.protocol.rank_save import SaveRequest
 from trainsnap.storage.base import Buffer, Storage
@@ -36,6 +37,12 @@ from trainsnap.testing.counting_store import CountingStore
 SHARD = 2
 """Each tensor shard is SHARD x SHARD elements: the metadata is the model's, the data tiny."""
 STORE_TIMEOUT = timedelta(seconds=600)
+# A rank is taken as dead after 600 s without a beat, not 60: hundreds of ranks share each core
+# here, and a thread can wait that long for its turn at the interpreter lock. The beat is the
+# default's (every 5 s), so the heartbeat counts are a real job's.
+TIMEOUTS = Timeouts(heartbeat=600.0, beat_every=Timeouts().beat_interval)
+SAMPLED = 4
+"""Ranks of each worker whose load planning is timed again alone."""
 MANIFEST_KEY = re.compile(r"^snapshots/[^/]+/manifest")
 REPORT_KEY = re.compile(r"^snapshots/[^/]+/reports/")
 MEMORY_EXIT = 86
@@ -156,6 +163,9 @@ class Worker:
         self.thread_rank: dict[int, int] = {}
         self.plan_seconds: list[float] = []
         self.planning_cpu: dict[int, float] = {}
+        others = [r for r in ranks if r != 0]
+        self.sampled = set(others[:: max(1, len(others) // SAMPLED)][:SAMPLED])
+        self.parts_of: dict[int, list[Any]] = {}
         trace.enable(rank=ranks.start)
         if 0 in ranks:
             self._time_coordinator_plan()
@@ -198,6 +208,35 @@ class Worker:
         timed(load_protocol.manifest_share, "manifest_for")
         timed(load_protocol.tree_load, "plan")
         timed(rank_load, "match")
+        share = load_protocol.manifest_share
+        merge = share.merge
+
+        def recording_merge(parts: Any, *args: Any) -> Any:
+            rank = self.thread_rank.get(threading.get_ident() % 1_000_000)
+            if rank in self.sampled:
+                self.parts_of[rank] = list(parts)
+            return merge(parts, *args)
+
+        share.merge = recording_merge  # type: ignore[assignment]
+
+    def plan_alone(self, rank: int) -> float:
+        """The CPU time of rank ``rank``'s load planning, run again after the load with no other
+        rank running: unpickling its parts, its wants and their digests, the merge, the tree
+        plan and the match (the same functions on the same data as in the load)."""
+        from trainsnap.protocol import manifest_share, rank_load, tree_load
+
+        state = self.states[rank]
+        blobs = [pickle.dumps(part) for part in self.parts_of.pop(rank)]
+        start = time.thread_time()
+        parts = [pickle.loads(blob) for blob in blobs]
+        wants = manifest_share.wants_of(state)
+        assert wants is not None
+        for wanted in manifest_share.classes_of(wants):
+            manifest_share.digest_of(wanted)
+        manifest = manifest_share.merge(parts)
+        targets = tree_load.plan(state, manifest, rank, True)
+        rank_load.match(manifest, targets, rank, True)
+        return time.thread_time() - start
 
     def run(self, phase: str, step: int) -> dict[str, Any]:
         """Run ``phase`` on every rank at once; a record per rank and the worker's figures."""
@@ -232,6 +271,9 @@ class Worker:
         spans = self._spans(trace.events()[first_event:])
         for rank, record in records.items():
             record["spans"] = spans.get(rank, {})
+        with paused_gc():
+            for rank in sorted(set(self.parts_of) & set(records)):
+                records[rank]["planning_alone_s"] = self.plan_alone(rank)
         return {
             "records": records,
             "wall_s": wall,
@@ -259,7 +301,7 @@ class Worker:
         try:
             if phase == "connect":
                 client = CountingStore(self._connect())
-                self.comms[rank] = StoreComm(client, rank, self.world.size)
+                self.comms[rank] = StoreComm(client, rank, self.world.size, timeouts=TIMEOUTS)
             else:
                 comm = self.comms[rank]
                 counts = comm.store.counts.snapshot()
