@@ -461,18 +461,13 @@ def _assign_own(
     """Give each entry held by one rank only (or kept per rank) to that rank; returns the ids
     of the replicated ones, in order."""
     replicated: list[int] = []
-    entries, blob_of, index_of, holders = (
-        uniques.entries,
-        uniques.blob,
-        uniques.index,
-        uniques.holders,
-    )
+    entries, blob_of, index_of = uniques.entries, uniques.blob, uniques.index
     for uid, scope in zip(*scoped, strict=True):
         if scope != GLOBAL:  # a rank's own copy: that rank writes it
             out[scope].entries.append((uniques.index_on(uid, scope), scope))
             loads[scope] += entries[uid][4]
             continue
-        src = holders[blob_of[uid]]
+        src = uniques.holders[blob_of[uid]]
         if len(src) == 1 and uid not in uniques.more:
             rank, offset = src[0]
             out[rank].entries.append((offset + index_of[uid], GLOBAL))
