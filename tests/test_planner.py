@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import pickle
 import time
 from collections import defaultdict
 
@@ -490,6 +491,19 @@ def test_a_256_rank_plan_keeps_every_invariant_and_is_quick() -> None:
     mean = expect / world
     assert max(plan.bytes_per_rank) <= 1.1 * mean + largest
     check_loads(plan)
+
+
+def test_a_description_sends_each_distinct_shape_and_region_once() -> None:
+    # Equal shapes and boxes built apart, as a rank's capture builds them: the blob holds one of
+    # each, the coordinator decodes them into shared objects, and the entries are unchanged.
+    entries = [entry(f"m.w{i}", tuple([8, 4]), Box((0, 0), (4, 4))) for i in range(50)]
+    entries += [entry(f"m.v{i}", tuple([8, 4]), Box((4, 0), (4, 4))) for i in range(50)]
+    ((_group, blob),) = RankMeta.pack(0, 1, entries, []).groups
+    decoded = pickle.loads(blob)
+    assert decoded == entries
+    assert len({id(e[2]) for e in decoded}) == 1
+    assert len({id(e[3]) for e in decoded}) == 2
+    assert len(blob) < 0.8 * len(pickle.dumps(entries, protocol=5))
 
 
 # -- object layout ---------------------------------------------------------------------------------
