@@ -29,6 +29,7 @@ from benchmarks._framework.method import timed
 from benchmarks._framework.report import Check, Target, emit, facts, format_table, verdicts
 from benchmarks._framework.state import MiB
 from benchmarks._framework.system import load_average, machine_info
+from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.format import encoding
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import layout_objects
@@ -227,7 +228,8 @@ def _plan_and_assemble(
     world: World, hasher: Hasher, metas: list[RankMeta], flats: list[list[Entry]]
 ) -> dict[str, Any]:
     sid = commit.new_snapshot_id(100)
-    plan_s, plan = timed(lambda: plan_save(metas, sid))
+    with paused_gc():  # as a save plans (save_protocol: the collector paused)
+        plan_s, plan = timed(lambda: plan_save(metas, sid))
     if plan.problems:
         raise AssertionError(f"the simulated plan was refused: {plan.problems[:5]}")
     print(f"  plan_save {plan_s:.2f} s", flush=True)
@@ -235,9 +237,10 @@ def _plan_and_assemble(
     mesh = {"pp": world.pp, "dp": world.dp, "tp": world.tp}
     topology = {"world_size": world.size, "coordinator": 0, "mesh": mesh}
     request = SaveRequest(step=100)
-    assemble_s, manifest = timed(
-        lambda: assemble(sid, request, hasher, metas, plan, reports, topology)
-    )
+    with paused_gc():
+        assemble_s, manifest = timed(
+            lambda: assemble(sid, request, hasher, metas, plan, reports, topology)
+        )
     print(f"  assemble {assemble_s:.2f} s", flush=True)
     encode_s, data = timed(lambda: encoding.encode(manifest))
     decode_s, decoded = timed(lambda: encoding.decode(data))
