@@ -62,7 +62,9 @@ class _Dest:
 
 
 def _dest(item: TensorItem) -> _Dest:
-    t = item.local.detach()
+    # detach only where it matters (a strided copy into a leaf that requires grad): it releases
+    # the GIL, which costs a handoff per tensor while the I/O pool runs
+    t = item.local.detach() if item.local.requires_grad else item.local
     direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
     work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
     return _Dest(item, work, direct, t.element_size())
