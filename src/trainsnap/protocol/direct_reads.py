@@ -20,9 +20,8 @@ from functools import partial
 from itertools import chain
 
 import numpy as np
-import torch
 
-from trainsnap.engine.buffers import BouncePool, tensor_bytes
+from trainsnap.engine.buffers import BouncePool
 from trainsnap.engine.reader import Reader
 from trainsnap.format.manifest import BOX, FLAT, I64, Manifest
 from trainsnap.format.regions import Flat, Region
@@ -85,12 +84,11 @@ def whole_shards(manifest: Manifest, tensors: Sequence[int], regions: Sequence[R
 
 
 def whole_reads(
-    manifest: Manifest, wholes: Sequence[tuple[torch.Tensor, int, str]]
+    manifest: Manifest, wholes: Sequence[tuple[memoryview, int, str]]
 ) -> list[DirectRead]:
-    """The reads of destinations filled whole from one saved shard each: ``(destination, shard
-    row, key)``, the destination a contiguous CPU tensor; the shard's chunks, in order, fill its
-    bytes back to back (validated when the manifest was decoded: a shard's chunks hold exactly
-    its bytes)."""
+    """The reads of destinations filled whole from one saved shard each: ``(destination bytes,
+    shard row, key)``; the shard's chunks, in order, fill the bytes back to back (validated
+    when the manifest was decoded: a shard's chunks hold exactly its bytes)."""
     shards = np.fromiter((shard for _, shard, _ in wholes), np.int64, len(wholes))
     cs = manifest.chunk_start()
     counts = cs[shards + 1] - cs[shards]
@@ -100,8 +98,8 @@ def whole_reads(
     lengths = manifest.chunk_length[rows].tolist()
     reads = []
     c = 0
-    for (tensor, _, key), n in zip(wholes, counts.tolist(), strict=True):
-        out, pos = tensor_bytes(tensor), 0
+    for (out, _, key), n in zip(wholes, counts.tolist(), strict=True):
+        pos = 0
         for o, offset, length in zip(
             objects[c : c + n], offsets[c : c + n], lengths[c : c + n], strict=True
         ):

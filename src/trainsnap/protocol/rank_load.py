@@ -267,20 +267,19 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     """Read every destination's elements; each destination gets every element exactly once.
 
     Coverage is checked for every tensor before the first read (a refused load touches
-    nothing). Tensors read whole from one saved shard are planned in bulk, the large ones
-    first, and their large reads start at once; the others' reads start as each is planned,
-    while later ones are still being planned; small reads are grouped per object at the end."""
+    nothing). Tensors read whole from one saved shard are planned in bulk and their large
+    reads start first; the others' reads start as each is planned, while later ones are still
+    being planned; small reads are grouped per object at the end."""
     pool = BouncePool(tunables.get().read_budget)
     wholes, rest = _split_whole(reader.m, pairs)
     found = _checked_overlaps(reader.m, rest)
     bs = reader.m.block_size
+    reads = whole_reads(reader.m, wholes)
+    small = [r for r in reads if r.stop - r.start < bs]
     try:
         with TaskRunner[None](threads) as runner:
-            reads = whole_reads(reader.m, [w for w in wholes if w[0].nbytes >= bs])
             for task in direct_tasks(reader, [r for r in reads if r.stop - r.start >= bs], pool):
                 runner.submit(task)
-            small = [r for r in reads if r.stop - r.start < bs]
-            small += whole_reads(reader.m, [w for w in wholes if w[0].nbytes < bs])
             for dest, shards in found:
                 small += _submit_reads(runner, reader, dest, shards, pool)
             for task in direct_tasks(reader, small, pool):
@@ -295,15 +294,15 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
 
 def _split_whole(
     manifest: Manifest, pairs: list[tuple[_Dest, int]]
-) -> tuple[list[tuple[torch.Tensor, int, str]], list[tuple[_Dest, int]]]:
-    """(destination, shard row, key) of the destinations read in place, whole, from their one
-    saved shard; and the other pairs."""
+) -> tuple[list[tuple[memoryview, int, str]], list[tuple[_Dest, int]]]:
+    """(destination bytes, shard row, key) of the destinations read in place, whole, from
+    their one saved shard; and the other pairs."""
     direct = [(dest, t) for dest, t in pairs if dest.direct]
     rows = whole_shards(
         manifest, [t for _, t in direct], [dest.item.region for dest, _ in direct]
     ).tolist()
     wholes = [
-        (dest.work, row, dest.item.key)
+        (tensor_bytes(dest.work), row, dest.item.key)
         for (dest, _), row in zip(direct, rows, strict=True)
         if row >= 0
     ]
