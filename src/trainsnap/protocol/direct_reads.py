@@ -4,9 +4,10 @@ A load on the topology that saved it reads each tensor whole from its one saved 
 shard's chunks land back to back in the destination's bytes. :func:`whole_shards` finds those
 tensors and :func:`whole_reads` plans their reads with a few array operations over the manifest's
 tables, with no shard geometry and no pieces; every other tensor goes through the general
-planner (:func:`trainsnap.protocol.rank_load.load_tensors`). The planning runs on the caller's
-thread while the I/O pool reads, so what it costs per tensor is paid twice: in its own time and
-in the GIL it holds from the readers (a warm 1 GiB load of 2,050 tensors planned in 20 ms).
+planner (:func:`trainsnap.protocol.rank_load.load_tensors`). Planning holds the GIL the readers
+need, so it is paid twice once they run: in its own time and in theirs. For a warm 1 GiB load of
+2,050 tensors the read plan took 29 ms one tensor at a time (shard geometry, pieces), 10 ms in
+bulk.
 
 :func:`direct_tasks` turns direct reads into I/O tasks: a large read is one task, small ones are
 grouped per object into runs read and verified once (packed small tensors share blocks).
