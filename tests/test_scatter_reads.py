@@ -3,6 +3,8 @@ runner that lets reads start while a load is still planning."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -137,3 +139,30 @@ def test_task_runner_stops_on_the_first_failure_and_waits_for_running_tasks():
     assert sorted(started) == sorted(finished)  # nothing still running after the block
     assert len(started) < 50
     assert run_all([lambda i=i: i * i for i in range(10)], 4) == [i * i for i in range(10)]
+
+
+def test_task_runners_share_the_process_pool_and_nest():
+    """Runners reuse one pool's threads (a start costs milliseconds); a task that runs tasks of
+    its own gets its own pool (on the shared one it could wait for the thread it holds)."""
+
+    def names(count: int) -> set[str]:
+        with TaskRunner[str](2) as runner:
+            for _ in range(count):
+                runner.submit(lambda: (time.sleep(0.01), threading.current_thread().name)[1])
+        return set(runner.results())
+
+    first, second = names(6), names(6)
+    assert first == second and len(first) == 2
+    nested = run_all([lambda: run_all([lambda: 1, lambda: 2], 2) for _ in range(2)], 2)
+    assert nested == [[1, 2], [1, 2]]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_pool_of_its_own():
+    assert run_all([lambda: 1, lambda: 2], 2) == [1, 2]  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: the inherited pool has no threads
+        signal.alarm(60)  # a child stuck on them dies instead of hanging the test
+        os._exit(0 if run_all([lambda: 1, lambda: 2], 2) == [1, 2] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -45,6 +45,7 @@ from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Piece, Region, RegionIndex
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import replica_reads
+from trainsnap.protocol.direct_reads import DirectRead, direct_tasks, whole_reads, whole_shards
 from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import Targets, TensorItem, ValueTarget
 from trainsnap.storage.base import Storage
@@ -62,7 +63,9 @@ class _Dest:
 
 
 def _dest(item: TensorItem) -> _Dest:
-    t = item.local.detach()
+    # detach only where it matters (a strided copy into a leaf that requires grad): it releases
+    # the GIL, which costs a handoff per tensor while the I/O pool runs
+    t = item.local.detach() if item.local.requires_grad else item.local
     direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
     work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
     return _Dest(item, work, direct, t.element_size())
@@ -158,18 +161,6 @@ def match(
     return pairs
 
 
-@dataclass(slots=True)
-class _Direct:
-    """Bytes ``[start, stop)`` of object ``o`` go straight to ``parts`` (destination memory:
-    one buffer, or the rows of a column piece back to back)."""
-
-    o: int
-    start: int
-    stop: int
-    parts: list[memoryview]
-    key: str
-
-
 _MIN_ROW = 4 << 10
 """Destination rows at least this long (bytes) are read straight into place; a piece with
 shorter rows goes through a bounce buffer and one strided copy. At 4 KiB rows a 512 MiB column
@@ -218,11 +209,12 @@ def _piece_tasks(
     piece: Piece,
     pool: BouncePool,
     max_elems: int,
-    direct: list[_Direct],
+    direct: list[DirectRead],
 ) -> list[Callable[[], None]]:
     """Tasks for one piece. A piece contiguous in the snapshot whose destination is contiguous,
     or made of long enough rows, is only recorded in ``direct`` (read straight into place,
-    scheduled together by :func:`_direct_tasks`); other pieces get bounce-buffer tasks."""
+    scheduled together by :func:`~trainsnap.protocol.direct_reads.direct_tasks`); other pieces
+    get bounce-buffer tasks."""
     isz, key = dest.itemsize, dest.item.key
     in_place = dest.direct and piece.src_contiguous
     if in_place and (piece.dst_contiguous or _row_elements(piece) * isz >= _MIN_ROW):
@@ -234,7 +226,7 @@ def _piece_tasks(
         else:
             rows = Parts(_destination_rows(out, piece, isz))
         for o, oo, _po, length in reader.payload_runs(shard, src0, src0 + n):
-            direct.append(_Direct(o, oo, oo + length, rows.take(length), key))
+            direct.append(DirectRead(o, oo, oo + length, rows.take(length), key))
         return []
 
     def bounce(part: Piece) -> None:
@@ -244,39 +236,6 @@ def _piece_tasks(
             _strided_copy(buf, part, lo, dest.work)
 
     return [partial(bounce, p) for p in piece.split(max_elems)]
-
-
-_COALESCE_MAX = 8 << 20
-"""Largest run of small direct reads served by one read (bytes)."""
-
-
-def _direct_tasks(
-    reader: Reader, reads: list[_Direct], pool: BouncePool
-) -> list[Callable[[], None]]:
-    """Large direct reads become one task each (read straight into the destination); small
-    ones are grouped per object into runs, each read and verified once."""
-    bs = reader.m.block_size
-    tasks: list[Callable[[], None]] = []
-    small: dict[int, list[_Direct]] = {}
-    for r in reads:
-        if r.stop - r.start >= bs:
-            tasks.append(partial(reader.read_object_parts, r.o, r.start, r.stop, r.parts, r.key))
-        else:
-            small.setdefault(r.o, []).append(r)
-    for o, rs in small.items():
-        rs.sort(key=lambda r: r.start)
-        run: list[_Direct] = []
-        for r in rs:
-            if run and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX):
-                tasks.append(partial(_scatter, reader, o, run, pool))
-                run = []
-            run.append(r)
-        tasks.append(partial(_scatter, reader, o, run, pool))
-    return tasks
-
-
-def _scatter(reader: Reader, obj: int, run: list[_Direct], pool: BouncePool) -> None:
-    reader.read_scatter(obj, [(r.start, r.stop, r.parts) for r in run], run[0].key, pool)
 
 
 def _overlaps(
@@ -308,16 +267,22 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     """Read every destination's elements; each destination gets every element exactly once.
 
     Coverage is checked for every tensor before the first read (a refused load touches
-    nothing); reads then start as soon as each tensor is planned, while later ones are still
-    being planned, and small reads are grouped per object at the end."""
+    nothing). Tensors read whole from one saved shard are planned in bulk and their large
+    reads start first; the others' reads start as each is planned, while later ones are still
+    being planned; small reads are grouped per object at the end."""
     pool = BouncePool(tunables.get().read_budget)
-    found = _checked_overlaps(reader.m, pairs)
-    small: list[_Direct] = []
+    wholes, rest = _split_whole(reader.m, pairs)
+    found = _checked_overlaps(reader.m, rest)
+    bs = reader.m.block_size
+    reads = whole_reads(reader.m, wholes)
+    small = [r for r in reads if r.stop - r.start < bs]
     try:
         with TaskRunner[None](threads) as runner:
+            for task in direct_tasks(reader, [r for r in reads if r.stop - r.start >= bs], pool):
+                runner.submit(task)
             for dest, shards in found:
                 small += _submit_reads(runner, reader, dest, shards, pool)
-            for task in _direct_tasks(reader, small, pool):
+            for task in direct_tasks(reader, small, pool):
                 runner.submit(task)
     finally:
         pool.close()
@@ -327,24 +292,44 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
                 dest.item.local.copy_(dest.work)
 
 
+def _split_whole(
+    manifest: Manifest, pairs: list[tuple[_Dest, int]]
+) -> tuple[list[tuple[memoryview, int, str]], list[tuple[_Dest, int]]]:
+    """(destination bytes, shard row, key) of the destinations read in place, whole, from
+    their one saved shard; and the other pairs."""
+    direct = [(dest, t) for dest, t in pairs if dest.direct]
+    rows = whole_shards(
+        manifest, [t for _, t in direct], [dest.item.region for dest, _ in direct]
+    ).tolist()
+    wholes = [
+        (tensor_bytes(dest.work), row, dest.item.key)
+        for (dest, _), row in zip(direct, rows, strict=True)
+        if row >= 0
+    ]
+    if len(wholes) == len(pairs):
+        return wholes, []
+    taken = {id(dest) for (dest, _), row in zip(direct, rows, strict=True) if row >= 0}
+    return wholes, [(dest, t) for dest, t in pairs if id(dest) not in taken]
+
+
 def _submit_reads(
     runner: TaskRunner[None],
     reader: Reader,
     dest: _Dest,
     shards: list[tuple[int, list[Piece]]],
     pool: BouncePool,
-) -> list[_Direct]:
+) -> list[DirectRead]:
     """Start the reads of one destination; its direct reads smaller than a block are returned
     instead, to be grouped with other tensors' (they share packed objects)."""
     budget = tunables.get().read_budget
     max_elems = max(1, min(budget // 4, 64 << 20) // dest.itemsize)
-    direct: list[_Direct] = []
+    direct: list[DirectRead] = []
     for shard, pieces in shards:
         for piece in pieces:
             for task in _piece_tasks(reader, dest, shard, piece, pool, max_elems, direct):
                 runner.submit(task)
     bs = reader.m.block_size
-    for task in _direct_tasks(reader, [r for r in direct if r.stop - r.start >= bs], pool):
+    for task in direct_tasks(reader, [r for r in direct if r.stop - r.start >= bs], pool):
         runner.submit(task)
     return [r for r in direct if r.stop - r.start < bs]
 
