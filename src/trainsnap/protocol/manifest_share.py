@@ -47,7 +47,7 @@ from trainsnap.state.capture import is_stateful, state_dict_of, targets
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
 
-MAX_CLASSES = 64
+MAX_CLASSES = 4096
 """A state with more top-level keys than this (a flat dict of tensors) is one class: its digests
 would outweigh the sharing they allow."""
 WHOLE = "whole"
