@@ -97,9 +97,9 @@ class PartIndex:
         return part
 
 
-def merge(parts: Sequence[Manifest], order: Sequence[str] = ()) -> Manifest:
+def merge(parts: Sequence[Manifest]) -> Manifest:
     """One manifest of a rank's ``parts`` (from one snapshot), for its planning: their entries
-    and objects (each object once), and their trees' top-level keys in the saved ``order``."""
+    and objects (each object once), and their trees' top-level keys in the order of ``parts``."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -118,19 +118,16 @@ def merge(parts: Sequence[Manifest], order: Sequence[str] = ()) -> Manifest:
             builder.add_value(key, int(m.value_ranks[v]), m.value_codecs[v], chunks)
     merged = builder.build()
     merged.whole_nbytes = first.nbytes
-    merged.tree = _merged_tree([m.tree for m in parts], order)
+    merged.tree = _merged_tree([m.tree for m in parts])
     return merged
 
 
-def _merged_tree(trees: Sequence[Any], order: Sequence[str]) -> Any:
-    """The top-level items of ``trees`` in one container, in ``order`` (then as found)."""
+def _merged_tree(trees: Sequence[Any]) -> Any:
+    """The top-level items of ``trees`` in one container, in order."""
     found = [t for t in trees if t is not None]
     if not found:
         return None
-    pairs = [pair for t in found for pair in tree.items(t)]
-    position = {top: i for i, top in enumerate(order)}
-    pairs.sort(key=lambda pair: position.get(tree.join("", pair[0]), len(position)))
-    return tree.mapping(tree.kind(found[0]), pairs)
+    return tree.mapping(tree.kind(found[0]), [pair for t in found for pair in tree.items(t)])
 
 
 def tree_order(root: Any) -> list[str]:
