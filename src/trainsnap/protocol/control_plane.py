@@ -203,8 +203,8 @@ _READY = b"R"  # every rank has reported (the coordinator's wake-up of a gather)
 _LOST = b"L"  # this rank's own monitor gave up waiting (see _Wait.lost)
 _ABSENT = b"\x00absent"  # compare_set's answer for a key that does not exist
 INLINE_MAX = 512
-"""A broadcast object up to this many pickled bytes is copied into every rank's key (one
-operation for the coordinator, one read per rank); a larger one is read from a shared key."""
+"""A broadcast object up to this many pickled bytes is copied into every rank's key (one read
+per rank); a larger one is read from a shared key."""
 
 
 @dataclass(slots=True)
@@ -226,11 +226,11 @@ class StoreSession:
 
     Waiting costs the store nothing while it lasts: a waiting rank blocks in the store's
     ``wait`` on one key of its own, which the event it waits for sets (the last report of a
-    gather sets the coordinator's; a broadcast or scatter sets every rank's, in one
-    ``multi_set``). Liveness is the heartbeat thread's job: once a beat interval, while its
-    rank waits, it reads in bulk (``check``, ``multi_get``) the heartbeats of the ranks still
-    awaited, and wakes its rank (writing ``_LOST`` into that key) when one has been silent for
-    the heartbeat timeout, or the exchange timed out.
+    gather sets the coordinator's; a broadcast or scatter sets every rank's, a ``set`` each,
+    sent without waiting for replies). Liveness is the heartbeat thread's job: once a beat
+    interval, while its rank waits, it reads in bulk (``check``, ``multi_get``) the heartbeats
+    of the ranks still awaited, and wakes its rank (writing ``_LOST`` into that key) when one
+    has been silent for the heartbeat timeout, or the exchange timed out.
     """
 
     def __init__(self, comm: StoreComm, names: str) -> None:
@@ -394,9 +394,13 @@ class StoreSession:
         return pickle.loads(data)
 
     def _send(self, keys: list[str], values: list[bytes]) -> None:
-        """(coordinator) Answer: set every other rank's key in one operation."""
-        if keys:
-            self.store.multi_set(keys, values)
+        """(coordinator) Answer: set every other rank's key, one ``set`` each (sent without
+        waiting for a reply). Never ``multi_set``: torch's libuv store sets a multi_set's keys
+        as it parses them and, when the command arrives in more than one read, parses it again
+        from the start, so a key a rank has already read and removed is set again -- and read,
+        stale, by the next exchange under that name."""
+        for key, value in zip(keys, values, strict=True):
+            self.store.set(key, value)
         self._unanswered = []
 
     def _others(self, base: str) -> tuple[list[int], list[str]]:
