@@ -5,6 +5,7 @@ the others."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,3 +164,50 @@ def test_a_replica_killed_during_the_exchange_is_named_by_every_survivor(tmp_pat
         assert "rank 2" in text, text
         seconds = float(text.split()[2].rstrip("s:"))
         assert seconds < 30, text
+
+
+def _flip_a_byte_of(root: str, key: str) -> None:
+    """Flip the first stored byte of ``key`` in its object: one replica's share is corrupt."""
+    from trainsnap.format.manifest import object_key
+    from trainsnap.protocol import commit
+    from trainsnap.storage.posix import PosixStorage
+
+    storage = PosixStorage(root)
+    m = commit.open_snapshot(storage, ts.list_snapshots(root)[-1].id)
+    tensor = m.tensor_keys.index(key)
+    chunk = m.chunks_of(int(m.shard_start()[tensor]))[0]
+    path = Path(root) / object_key(m.object_names[int(m.chunk_object[chunk])])
+    data = bytearray(path.read_bytes())
+    data[int(m.chunk_offset[chunk])] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _load_corrupt(rank: int, world: int, root: str) -> tuple[str, str, list[int]]:
+    try:
+        ts.load(_ddp_state(rank, blank=True), root, timeout=60)
+    except ts.CorruptError as e:
+        return ("corrupt", str(e), [])
+    except ts.CommitFailedError as e:
+        return ("named", str(e), sorted(e.rank_errors))
+    return ("loaded", "", [])
+
+
+def test_a_replica_whose_share_is_corrupt_fails_every_rank_naming_it(tmp_path: Any) -> None:
+    """The corrupt block is found by the replica(s) that read it (its block may also hold a
+    rank's own tensor); they still send the rest of their share, so nobody waits, and every
+    other replica raises naming them."""
+    root = str(tmp_path)
+    assert_all_ok(run_ranks(_save, 4, args=(root, "ddp"), timeout=90))
+    _flip_a_byte_of(root, "w2")
+    env = {"TRAINSNAP_REPLICA_READS": "2"}
+    started = time.monotonic()
+    outcomes = assert_all_ok(run_ranks(_load_corrupt, 4, args=(root,), timeout=120, env=env))
+    assert time.monotonic() - started < 60  # nobody waited out the 60 s heartbeat
+    readers = {r for r, (kind, _, _) in enumerate(outcomes) if kind == "corrupt"}
+    assert 0 < len(readers) < 4, outcomes
+    for rank, (kind, text, named) in enumerate(outcomes):
+        if rank in readers:
+            assert "fails its checksum" in text, text
+        else:
+            assert kind == "named" and named and set(named) <= readers, (rank, outcomes[rank])
+            assert all(f"rank {r}" in text for r in named), text

@@ -457,12 +457,14 @@ def _fill_shared(
     allow_pickle: PickleKeys,
     same_world: bool,
 ) -> list[tuple[ValueTarget, Any]]:
-    """Read this rank's share of the tensors its replicas also need (and everything only it
-    needs), then exchange shares with the replicas (:mod:`trainsnap.protocol.replica_reads`)."""
-    shared: list[tuple[_Dest, int]] = []
-    owner: dict[str, int] = {}
+    """Read this rank's share of the tensors its replicas also need and what only it needs, in
+    stored order and in batches, sending each batch's shared tensors as soon as they are
+    verified while the replicas' arrive (:mod:`trainsnap.protocol.replica_reads`)."""
     failure: TrainsnapError | None = None
     values: list[tuple[ValueTarget, Any]] = []
+    pairs: list[tuple[_Dest, int]] = []
+    held: replica_reads.Held = []
+    owner: dict[str, int] = {}
     try:
         pairs = match(manifest, targets, replicas.rank, same_world)
         classes: dict[tuple[int, ...], list[tuple[_Dest, int]]] = {}
@@ -470,18 +472,34 @@ def _fill_shared(
             members = replicas.members_of(dest.item.key)
             if members is not None and int(manifest.tensor_ranks[t]) == -1:
                 classes.setdefault(members, []).append((dest, t))
-        for members, held in classes.items():
-            places = [(d.item.key, d.work, _place(manifest, t)) for d, t in held]
+        for members, shared in classes.items():
+            places = [(d.item.key, d.work, _place(manifest, t)) for d, t in shared]
             owner.update(replica_reads.split(members, places, manifest.block_size))
-            shared += held
-        own = [(d, t) for d, t in pairs if owner.get(d.item.key, replicas.rank) == replicas.rank]
+            held += [(key, work, members, place) for key, work, place in places]
+        _checked_overlaps(manifest, _split_whole(manifest, pairs)[1])  # refused before reading
         values = read_values(reader, manifest, targets, replicas.rank, allow_pickle=allow_pickle)
-        load_tensors(reader, own, tunables.get().io_threads)
     except TrainsnapError as e:
         failure = e
-    replica_reads.exchange(replicas, [(d.item.key, d.work) for d, _ in shared], owner, failure)
-    for dest, _ in shared:
-        if owner[dest.item.key] != replicas.rank and not dest.direct:
+    replica_reads.start(replicas, failure)
+    exchange = replica_reads.Exchange(replicas, held, owner)
+    me = replicas.rank
+    mine = {d.item.key: (d, t) for d, t in pairs if owner.get(d.item.key, me) == me}
+    reads = [
+        (key, d.work.numel() * d.work.element_size(), _place(manifest, t))
+        for key, (d, t) in mine.items()
+    ]
+    threads = tunables.get().io_threads
+    read_failure: TrainsnapError | None = None
+    for batch in replica_reads.batches(reads, manifest.block_size):
+        if read_failure is None:
+            try:
+                load_tensors(reader, [mine[key] for key in batch], threads)
+            except TrainsnapError as e:
+                read_failure = e
+        exchange.send(batch)
+    exchange.finish(read_failure)
+    for dest, _ in pairs:
+        if owner.get(dest.item.key, me) != me and not dest.direct:
             with torch.no_grad():
                 dest.item.local.copy_(dest.work)
     return values

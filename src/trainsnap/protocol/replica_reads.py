@@ -11,10 +11,15 @@ group, so no collective of the training loop can be in flight on it.
 1. (all members) the same split, computed by each from the same targets: tensors in the order
    of their bytes in the snapshot, cut into one run of about equal bytes per member, never
    inside a checksum block.
-2. (all members) read and verify their share (:func:`trainsnap.protocol.rank_load.load_tensors`).
-3. (all members) tell every other member whether that worked: a member that failed sends no
-   data, and the others raise naming it rather than wait for bytes that will not come.
-4. (all members) send their share to every other member, receive the rest, in key order.
+2. (all members) check what they will read and receive (coverage), read their values.
+3. (all members) tell every other member whether that worked: a member that failed reads
+   nothing, and every member raises, naming it, before any tensor is touched.
+4. (all members) post the receives of the others' shares, straight into the destinations;
+   read and verify their own share batch by batch
+   (:func:`trainsnap.protocol.rank_load.load_tensors`), sending each batch to the other members
+   as soon as it is verified, so reads and sends overlap; then one status byte each: whether
+   its share was read (a member whose read failed still sends the rest unread, and the
+   others raise naming it rather than use it).
 
 A member that dies makes the others' sends and receives fail (the connection closes) or time
 out after the heartbeat: every survivor raises, naming it.
@@ -116,6 +121,13 @@ Place = tuple[str, int, str, int]
 end) of its last chunk. Names, not a manifest's indices: members may hold different parts."""
 
 
+def stored_order(
+    shared: list[tuple[str, torch.Tensor, Place]],
+) -> list[tuple[str, torch.Tensor, Place]]:
+    """Tensors in the order of their bytes in the snapshot: the same on every member."""
+    return sorted(shared, key=lambda item: (item[2], item[0]))
+
+
 def split(
     members: tuple[int, ...], shared: list[tuple[str, torch.Tensor, Place]], block_size: int
 ) -> dict[str, int]:
@@ -123,7 +135,7 @@ def split(
     snapshot are cut into one run per member of about equal bytes, and only where no checksum
     block is shared: a member verifies whole blocks, so a block split between two members would
     be read by both."""
-    ordered = sorted(shared, key=lambda item: (item[2], item[0]))
+    ordered = stored_order(shared)
     total = sum(_nbytes(work) for _, work, _ in ordered)
     owner: dict[str, int] = {}
     member, done = 0, 0
@@ -148,9 +160,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def start(group: Replicas, failure: BaseException | None) -> None:
+    """(step 3) Tell the other members whether this member planned its reads, hear theirs:
+    raise ``failure``, or name the members that could not plan, before any member reads."""
+    failed = tell(group, failure)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CommitFailedError(
+            f"{len(failed)} replica(s) of this rank could not plan their share of the snapshot's "
+            "reads (their own errors say why)",
+            rank_errors=failed,
+        )
+
+
 def tell(group: Replicas, failure: BaseException | None) -> dict[int, str]:
-    """(step 3) Tell the other members whether this member's share was read; the members that
-    say theirs was not."""
+    """Tell the other members whether this member planned its reads; the members that say
+    they could not."""
     import torch.distributed as dist
 
     group.told = True
@@ -158,55 +184,116 @@ def tell(group: Replicas, failure: BaseException | None) -> dict[int, str]:
     status = {m: torch.zeros(1, dtype=torch.uint8) for m in peers}
     mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8)
     pg = group.process_group
-    ops = [dist.P2POp(dist.isend, mine, m, group=pg) for m in peers]
-    ops += [dist.P2POp(dist.irecv, status[m], m, group=pg) for m in peers]
-    _wait(ops, dist.batch_isend_irecv(ops), "the read status")
-    return {m: "failed reading its share of the replicas' reads" for m in peers if status[m]}
+    ops = [(m, dist.isend(mine, m, group=pg)) for m in peers]
+    ops += [(m, dist.irecv(status[m], m, group=pg)) for m in peers]
+    _wait(ops, "the read plans")
+    return {m: "could not plan its share of the replicas' reads" for m in peers if status[m]}
 
 
-def exchange(
-    group: Replicas,
-    shared: list[tuple[str, torch.Tensor]],
-    owner: dict[str, int],
-    failure: BaseException | None,
-) -> None:
-    """(steps 3 and 4) Tell the others whether this member's share was read, then send it to
-    the other members of its key's sharing, and receive theirs into ``shared``'s tensors
-    (contiguous, on CPU)."""
-    import torch.distributed as dist
-
-    failed = tell(group, failure)
-    if failure is not None:
-        raise failure
-    if failed:
-        raise CommitFailedError(
-            f"{len(failed)} replica(s) of this rank could not read their share of the snapshot "
-            "(their own errors say why)",
-            rank_errors=failed,
-        )
-    faults.point("replica_exchange")
-    pg = group.process_group
-    ops = []
-    for key, work in sorted(shared, key=lambda kw: kw[0]):
-        members = group.members_of(key)
-        if work.numel() == 0 or members is None:
-            continue
-        data = work.view(-1).view(torch.uint8)
-        if owner[key] == group.rank:
-            ops += [dist.P2POp(dist.isend, data, m, group=pg) for m in members if m != group.rank]
-        else:
-            ops.append(dist.P2POp(dist.irecv, data, owner[key], group=pg))
-    if ops:
-        _wait(ops, dist.batch_isend_irecv(ops), "tensor data")
+Held = list[tuple[str, torch.Tensor, tuple[int, ...], Place]]
+"""(key, contiguous CPU destination, members sharing its reads, where it is stored) of a rank's
+shared tensors."""
 
 
-def _wait(ops: list[Any], works: list[Any], what: str) -> None:
-    for op, work in zip(ops, works, strict=True):
+class Exchange:
+    """(step 4) One member's sends and receives of the shared tensors, started as its reads go.
+
+    Between any two members the tensors go in stored order (by :data:`Place`), which both
+    derive alike. The receives are all posted first; each member sends its share as it reads
+    and verifies it, batch by batch (:func:`batches`), so reading and sending overlap; after its
+    data it sends one status byte: whether its reads worked (a member whose read failed still
+    sends the rest unread, so that nobody waits for bytes that will not come, and the others
+    raise naming it)."""
+
+    def __init__(self, group: Replicas, held: Held, owner: dict[str, int]) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self._peers_of: dict[str, list[int]] = {}
+        self._ops: list[tuple[int, Any]] = []
+        self._receivers: set[int] = set()
+        self._tensors: dict[str, torch.Tensor] = {}
+        senders: set[int] = set()
+        for key, work, members, _ in sorted(held, key=lambda h: (h[3], h[0])):
+            if work.numel() == 0:
+                continue
+            data = work.view(-1).view(torch.uint8)
+            if owner[key] == group.rank:
+                peers = [m for m in members if m != group.rank]
+                self._peers_of[key] = peers
+                self._tensors[key] = data
+                self._receivers.update(peers)
+            else:
+                senders.add(owner[key])
+                self._post(dist.irecv, data, owner[key])
+        self._status = {m: torch.ones(1, dtype=torch.uint8) for m in sorted(senders)}
+        for m, status in self._status.items():
+            self._post(dist.irecv, status, m)
+        faults.point("replica_exchange")
+
+    def _post(self, op: Any, tensor: torch.Tensor, peer: int) -> None:
+        self._ops.append((peer, op(tensor, peer, group=self.group.process_group)))
+
+    def send(self, keys: list[str]) -> None:
+        """Send the tensors of this member's share among ``keys`` (given in stored order: read
+        and verified, or not, see above); the others are not shared."""
+        import torch.distributed as dist
+
+        for key in keys:
+            for peer in self._peers_of.get(key, ()):
+                self._post(dist.isend, self._tensors[key], peer)
+
+    def finish(self, failure: BaseException | None) -> None:
+        """Send this member's status, wait for every transfer; raise ``failure``, or name the
+        members whose reads failed."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8)
+        for peer in sorted(self._receivers):
+            self._post(dist.isend, mine, peer)
+        _wait(self._ops, "tensor data")
+        if failure is not None:
+            raise failure
+        failed = {
+            m: "failed reading its share of the replicas' reads"
+            for m, status in self._status.items()
+            if status.item()
+        }
+        if failed:
+            raise CommitFailedError(
+                f"{len(failed)} replica(s) of this rank could not read their share of the snapshot "
+                "(their own errors say why)",
+                rank_errors=failed,
+            )
+
+
+def batches(
+    reads: list[tuple[str, int, Place]], block_size: int, parts: int = 8
+) -> list[list[str]]:
+    """A member's reads (key, bytes, place), in stored order, cut into about ``parts`` batches
+    of 8 to 64 MiB, each sent while the next is read; never inside a checksum block (a block
+    in two batches would be read twice)."""
+    ordered = sorted(reads, key=lambda r: (r[2], r[0]))
+    size = min(max(sum(n for _, n, _ in ordered) // parts, 8 << 20), 64 << 20)
+    out: list[list[str]] = [[]]
+    filled = 0
+    previous: Place | None = None
+    for key, nbytes, place in ordered:
+        if filled >= size and previous is not None and _apart(previous, place, block_size):
+            out.append([])
+            filled = 0
+        out[-1].append(key)
+        filled += nbytes
+        previous = place
+    return [batch for batch in out if batch]
+
+
+def _wait(ops: list[tuple[int, Any]], what: str) -> None:
+    for peer, work in ops:
         try:
             work.wait()
         except Exception as e:  # gloo raises RuntimeError subclasses for a lost peer
             forget_group()
-            peer = int(op.peer)
             raise CommitFailedError(
                 f"the replicas' exchange of {what} with rank {peer} failed: {e} (the rank died, "
                 "hung or is unreachable)",
