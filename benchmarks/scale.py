@@ -19,6 +19,7 @@ The coordinator runs in a process of its own, as it does on a real job.
 
     python -m benchmarks.scale                      # 256, 1,024 and 4,096 ranks
     python -m benchmarks.scale --ranks 256,10000    # 10,000 is TP 8 x PP 16 x DP 78 = 9,984
+    python -m benchmarks.scale --ranks 4096 --metadata-load  # loads skip the tensors' bytes
     python -m benchmarks.scale --smoke              # 16 ranks of a small model: does it run?
 """
 
@@ -58,7 +59,12 @@ def world_of(ranks: int, tp: int, pp: int, params_per_stage: int) -> World:
 
 
 def run_world(
-    world: World, processes: int, root: str, load_timeout: float, memory_gib: float
+    world: World,
+    processes: int,
+    root: str,
+    load_timeout: float,
+    memory_gib: float,
+    load_data: bool = True,
 ) -> dict[str, Any]:
     """One simulation: the store, the workers, the phases; every phase's figures."""
     from torch.distributed import TCPStore
@@ -89,12 +95,14 @@ def run_world(
                 master.port,
                 root,
                 int(memory_gib * 2**30 / processes),
+                load_data,
             ),
         )
         proc.start()
         pipes.append(parent)
         workers.append(proc)
     results: dict[str, Any] = {"world": world.size, "tp": world.tp, "pp": world.pp, "dp": world.dp}
+    results["load_data"] = load_data
     try:
         for pipe in pipes:
             assert pipe.recv() == "ready"
@@ -173,6 +181,7 @@ def summarize(results: dict[str, Any], manifest_size: int) -> dict[str, Any]:
     """The figures of each phase: per rank (median, max over the ranks but the coordinator) and
     at the coordinator (rank 0)."""
     out: dict[str, Any] = {"world": results["world"], "build_s": results.get("build_s")}
+    out["load_data"] = results.get("load_data", True)
     out["manifest_size"] = manifest_size
     for name in ("first save", "cached save", "load"):
         phase = results.get(name)
@@ -384,6 +393,12 @@ def report(summaries: list[dict[str, Any]]) -> tuple[str, list[Check]]:
             result = f"{check.result} at {s['world']:,}"
         rows.append([label, *[_cell(v) for v in values], str(target) if target else "-", result])
     notes = [
+        f"{s['world']:,} ranks, load: metadata only (--metadata-load: planned, values read, "
+        "tensors' bytes not read)"
+        for s in summaries
+        if not s.get("load_data", True)
+    ]
+    notes += [
         f"{s['world']:,} ranks, {phase}: {s[phase]['skipped']}"
         for s in summaries
         for phase in ("first save", "cached save", "load")
@@ -430,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         default=14.0,
         help="memory all workers together may use; a phase past it is abandoned (default 14)",
     )
+    arguments.add_argument(
+        "--metadata-load",
+        action="store_true",
+        help="loads plan and read values but skip the tensors' bytes (the data path of "
+        "thousands of simulated ranks on a few cores outlasts the metadata being measured)",
+    )
     args = cli.parse(arguments, argv, SMOKE)
     machine = machine_info() | {"loadavg_start": load_average()}
     print(facts("machine", machine), flush=True)
@@ -450,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(root),
                 args.load_timeout,
                 args.memory_gib,
+                load_data=not args.metadata_load,
             )
             summary = summarize(results, _manifest_size(str(root)))
             summary["run_s"] = time.perf_counter() - started

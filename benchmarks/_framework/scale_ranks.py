@@ -151,7 +151,14 @@ class Worker:
     """The ranks ``ranks`` of one worker process."""
 
     def __init__(
-        self, world: Any, ranks: range, host: str, port: int, root: str, memory_limit: int
+        self,
+        world: Any,
+        ranks: range,
+        host: str,
+        port: int,
+        root: str,
+        memory_limit: int,
+        load_data: bool = True,
     ) -> None:
         self.world, self.ranks = world, ranks
         self.memory_limit = memory_limit
@@ -170,6 +177,17 @@ class Worker:
         if 0 in ranks:
             self._time_coordinator_plan()
         self._time_load_planning()
+        if not load_data:
+            self._skip_tensor_reads()
+
+    def _skip_tensor_reads(self) -> None:
+        """Loads plan everything and read the values, but not the tensors' bytes: the
+        metadata's part of a load alone (``--metadata-load``), for worlds whose data path --
+        every rank reading, verifying and placing its ~1,300 tensors -- takes longer on a few
+        cores than the metadata being measured."""
+        from trainsnap.protocol import rank_load
+
+        rank_load.load_tensors = lambda reader, pairs, threads: None  # type: ignore[assignment]
 
     def _time_coordinator_plan(self) -> None:
         """Time the coordinator's planning (``save_protocol._coordinator_plan``) apart from the
@@ -369,12 +387,19 @@ def _delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[
 
 
 def serve(
-    connection: Any, world: Any, ranks: range, host: str, port: int, root: str, memory_limit: int
+    connection: Any,
+    world: Any,
+    ranks: range,
+    host: str,
+    port: int,
+    root: str,
+    memory_limit: int,
+    load_data: bool = True,
 ) -> None:
     """A worker process's main loop: build the ranks, then run each command it is sent."""
     threading.stack_size(4 << 20)
     _raise_open_files()
-    worker = Worker(world, ranks, host, port, root, memory_limit)
+    worker = Worker(world, ranks, host, port, root, memory_limit, load_data)
     connection.send("ready")
     while True:
         command = connection.recv()
