@@ -426,6 +426,36 @@ def test_sessions_reuse_their_store_clients(store: tuple[TCPStore, list[TCPStore
     assert [client.counts.clients for client in clients] == [3, 3]  # the rank's own and two
 
 
+def test_every_comm_over_a_store_reuses_the_clients_of_its_sessions(
+    store: tuple[TCPStore, list[TCPStore]],
+) -> None:
+    """``trainsnap.save`` makes a ``StoreComm`` a call: the clients are still connected once a
+    process, not twice a rank at every save. A session whose exchange failed keeps neither."""
+    world = 2
+    clients, namespace = counted(store, world)
+
+    def body(rank: int) -> Any:
+        out = []
+        for n in range(3):  # three calls, each with a comm of its own (sessions of one name)
+            c = StoreComm(clients[rank], rank, world, namespace=namespace, timeouts=ALIVE)
+            # a gather first, as every save and load has: the coordinator waits for the others
+            out.append(
+                in_session(c, lambda s, n=n: (s.gather("meta", n), s.broadcast("plan", n))[1])
+            )
+        return out
+
+    with ThreadPoolExecutor(max_workers=world) as pool:
+        assert list(pool.map(body, range(world))) == [[0, 1, 2]] * 2
+    assert [client.counts.clients for client in clients] == [3, 3]
+    alone = StoreComm(clients[0], 0, 2, namespace=namespace, timeouts=FAST)
+    failed = alone.session("save")
+    with pytest.raises(PeerLost):
+        failed.gather("meta", 0)  # rank 1 never reports: its heartbeat never appears
+    failed.close()
+    in_session(alone, lambda s: s.publish("part", "x", b"", 0))
+    assert clients[0].counts.clients == 4  # the failed session's client was dropped
+
+
 def test_a_gather_nobody_answers_and_a_large_broadcast_leave_no_keys_behind(run: Any) -> None:
     """The coordinator removes the reports of a gather it never answered (each rank removes its
     own once answered); the last reader removes a broadcast too large to copy to every rank."""

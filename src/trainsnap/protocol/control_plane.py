@@ -13,6 +13,7 @@ traffic is O(world size) per exchange, never O(world size^2).
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import threading
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
 from trainsnap.errors import CommitFailedError
@@ -143,7 +144,10 @@ class StoreComm:
     """Control plane over a ``torch.distributed`` store, namespaced under ``trainsnap/``.
 
     Its sessions' store clients (two a session: one that waits, one that beats) are kept for
-    the next session, so that a job connects them once, not once per save."""
+    the next session -- of any ``StoreComm`` over the same store in this process
+    (``trainsnap.save`` makes one a call) -- so that a job connects them once, not twice a rank
+    at every save (thousands of connections at once to one store at scale). A client whose
+    session saw a store operation fail is dropped, not kept."""
 
     def __init__(
         self,
@@ -163,7 +167,7 @@ class StoreComm:
         self.namespace = namespace
         self._seq = 0
         self._lock = threading.Lock()
-        self._idle_clients: dict[str, list[Any]] = {"wait": [], "beat": []}
+        self._idle_clients = _idle_clients_of(store)
 
     @property
     def is_coordinator(self) -> bool:
@@ -179,21 +183,47 @@ class StoreComm:
         """A store client of its own for ``role`` (``wait``: a session's exchanges; ``beat``:
         its heartbeat thread): the caller's may be in use on another thread. The caller's store
         where it cannot be cloned."""
-        with self._lock:
-            if self._idle_clients[role]:
-                return self._idle_clients[role].pop()
+        kind = self._kind(role)
+        with _CLIENTS_LOCK:
+            if self._idle_clients.get(kind):
+                return self._idle_clients[kind].pop()
         if not hasattr(self.store, "clone"):
             return self.store
         client = self.store.clone()
         if role == "beat":
             # A scan never blocks for long on a heartbeat key deleted under it (a rank closing).
-            _set_timeout(client, max(5.0, 2 * self.timeouts.beat_interval))
+            _set_timeout(client, self._beat_timeout())
         return client
 
     def _release(self, role: str, client: Any) -> None:
         if client is not self.store:
-            with self._lock:
-                self._idle_clients[role].append(client)
+            with _CLIENTS_LOCK:
+                self._idle_clients.setdefault(self._kind(role), []).append(client)
+
+    def _beat_timeout(self) -> float:
+        return max(5.0, 2 * self.timeouts.beat_interval)
+
+    def _kind(self, role: str) -> str:
+        """Clients are kept by role, and heartbeat clients by the timeout they were given."""
+        return f"beat/{self._beat_timeout()}" if role == "beat" else role
+
+
+_CLIENTS: dict[tuple[int, int], tuple[Any, dict[str, list[Any]]]] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _idle_clients_of(store: Any) -> dict[str, list[Any]]:
+    """The idle clients of ``store`` in this process, by kind (see ``StoreComm._kind``). Keyed
+    by process, so that a forked child never shares its parent's connections, and holding
+    ``store`` itself, so that its id is not reused for another store."""
+    import os
+
+    key = (os.getpid(), id(store))
+    with _CLIENTS_LOCK:
+        entry = _CLIENTS.get(key)
+        if entry is None or entry[0] is not store:
+            entry = _CLIENTS[key] = (store, {})
+        return entry[1]
 
 
 # What a rank finds in a key it waits for: the first byte says what the rest is.
@@ -219,6 +249,24 @@ class _Wait:
     started: float
     lost: dict[int, str] | None = None
     """Set by the monitor, which then writes ``_LOST`` into ``key`` if nothing is there yet."""
+
+
+_Exchange = TypeVar("_Exchange", bound=Callable[..., Any])
+
+
+def _marking(exchange: _Exchange) -> _Exchange:
+    """A session's exchange: should it raise, the session's client is not kept for another
+    session (a store operation may have been cut off midway)."""
+
+    @functools.wraps(exchange)
+    def run(self: StoreSession, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return exchange(self, *args, **kwargs)
+        except BaseException:
+            self._sound = False
+            raise
+
+    return cast(_Exchange, run)
 
 
 class StoreSession:
@@ -251,6 +299,8 @@ class StoreSession:
         """(coordinator) The gathers read since it last answered: nobody has learnt that their
         reports were read, so the coordinator removes those itself when it closes."""
         self._closed = False
+        self._sound = True
+        """Whether every store operation of the session answered (its client may be reused)."""
         self._stop = threading.Event()
         self._beat_key = self._heartbeat_key(comm.rank)
         self.store.add(self._beat_key, 1)
@@ -280,16 +330,18 @@ class StoreSession:
             for key in [*unanswered, self._beat_key]:
                 self.store.delete_key(key)
         except Exception:
+            self._sound = False
             log.debug("could not delete the keys of %s", self.ns, exc_info=True)
         self._unread = self._unanswered = []
-        self.c._release("wait", self.store)
+        if self._sound:
+            self.c._release("wait", self.store)
 
     # -- liveness (the heartbeat thread) ----------------------------------------------------
 
     def _beat(self) -> None:
         interval = self.c.timeouts.beat_interval
         store = self.c._client("beat")
-        failing = False
+        failing = failed = False
         try:
             while not self._stop.wait(interval):
                 try:
@@ -303,9 +355,10 @@ class StoreSession:
                         self._beat_key,
                         exc_info=True,
                     )
-                    failing = True
+                    failing = failed = True
         finally:
-            self.c._release("beat", store)
+            if not failed:  # a client that ever failed may be out of step with the store
+                self.c._release("beat", store)
 
     def _scan(self, store: Any) -> None:
         with self._lock:
@@ -409,6 +462,7 @@ class StoreSession:
 
     # -- exchanges ----------------------------------------------------------------------------
 
+    @_marking
     def gather(self, tag: str, obj: Any) -> list[Any] | None:
         base = f"{self.ns}/{tag}"
         world = self.c.world_size
@@ -435,6 +489,7 @@ class StoreSession:
         self._unanswered.append(base)
         return out
 
+    @_marking
     def broadcast(self, tag: str, obj: Any = None) -> Any:
         if not self.c.is_coordinator:
             return self._receive(tag)
@@ -448,6 +503,7 @@ class StoreSession:
             self._send(keys, [_SHARED] * len(keys))
         return obj
 
+    @_marking
     def scatter(self, tag: str, objs: list[Any] | None = None) -> Any:
         if not self.c.is_coordinator:
             return self._receive(tag)
@@ -456,10 +512,12 @@ class StoreSession:
         self._send(keys, [_INLINE + pickle.dumps(objs[r]) for r in ranks])
         return objs[self.c.rank]
 
+    @_marking
     def publish(self, tag: str, name: str, obj: Any, readers: int) -> None:
         if readers > 0:
             self.store.set(f"{self.ns}/{tag}/pub/{name}", pickle.dumps((readers, obj)))
 
+    @_marking
     def fetch(self, tag: str, name: str) -> Any:
         key = f"{self.ns}/{tag}/pub/{name}"
         readers, value = pickle.loads(self.store.get(key))
