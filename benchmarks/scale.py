@@ -67,10 +67,8 @@ def run_world(
     load_data: bool = True,
 ) -> dict[str, Any]:
     """One simulation: the store, the workers, the phases; every phase's figures."""
-    from torch.distributed import TCPStore
-
     _raise_open_files()
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    master = _master_store()
     context = multiprocessing.get_context("spawn")
     # The coordinator (rank 0) in a process of its own, as on a real job: its threads do not
     # share an interpreter lock with hundreds of other ranks'.
@@ -125,6 +123,32 @@ def run_world(
                 proc.join()
         del master
     return results
+
+
+def _master_store() -> Any:
+    """The store's server, listening on IPv4 only. torch's store server looks up the name of
+    every peer that connects, on its one thread; on the dual-stack socket it opens by itself a
+    loopback peer is ``::ffff:127.0.0.1``, which the hosts file does not name, so the lookup
+    goes to DNS -- and where no name server answers (a machine off the network), the whole
+    store stops for the resolver's timeout (5 s) at each connection. An IPv4 peer
+    ``127.0.0.1`` is named by the hosts file at once."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))  # and 127.0.0.2 and up, which workers past 8,000 ranks use
+    listener.listen(4096)
+    port = listener.getsockname()[1]
+    return TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=STORE_TIMEOUT,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def _phases() -> list[tuple[str, str, int]]:

@@ -532,3 +532,149 @@ def test_a_killed_rank_is_named_within_the_heartbeat_timeout_at_the_derived_inte
     assert "no sign of life" in err.ranks[killed]
     assert timeouts.heartbeat * 0.9 <= seconds < timeouts.heartbeat + 2 * 0.25 + 1.0
     assert out[1] == out[3] == err.ranks
+
+
+# -- a stalled store, a client cut off ---------------------------------------------------------
+
+
+class Stalling:
+    """A store client whose operations wait while ``running`` is clear (the store's server
+    stalled for everyone); once it is set again, those of a lagging client wait ``lag`` s more
+    (their requests were queued behind the others'). Its clones do the same."""
+
+    def __init__(self, store: Any, running: threading.Event, lag: float) -> None:
+        self._store, self._running, self._lag = store, running, lag
+
+    def clone(self) -> Stalling:
+        return Stalling(self._store.clone(), self._running, self._lag)
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self._running.is_set():
+                self._running.wait()
+                time.sleep(self._lag)
+            return operation(*args, **kwargs)
+
+        return call
+
+
+def test_a_store_that_stalls_for_everyone_longer_than_the_heartbeat_names_nobody(
+    store: tuple[TCPStore, list[TCPStore]],
+) -> None:
+    """The store stops answering for three heartbeat timeouts while the coordinator waits. After
+    it, the coordinator's scan is answered before the others' beats (queued behind it): every
+    rank looks silent for the length of the stall, but none is taken for dead -- silence counts
+    only while the store answers."""
+    world, stall, lag = 3, 3.0, 0.2
+    timeouts = Timeouts(exchange=60.0, heartbeat=1.0, beat_every=0.05)
+    running = threading.Event()
+    running.set()
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    comms = [
+        StoreComm(
+            Stalling(store[1][r], running, 0.0 if r == 0 else lag),
+            r,
+            world,
+            namespace=namespace,
+            timeouts=timeouts,
+        )
+        for r in range(world)
+    ]
+    joined = threading.Barrier(world)
+    waiting, resumed = threading.Event(), threading.Event()
+
+    def body(c: StoreComm) -> Any:
+        session = beating(store[0], c.session("save"))
+        try:
+            joined.wait(30)
+            if c.is_coordinator:
+                waiting.set()
+            else:
+                resumed.wait(30)
+            return timed(lambda: session.gather("meta", c.rank))
+        finally:
+            session.close()
+
+    def stall_the_store() -> None:
+        waiting.wait(30)
+        time.sleep(0.3)  # the coordinator is in its wait
+        running.clear()
+        time.sleep(stall)
+        running.set()
+        time.sleep(4 * lag)  # the others' beats are through
+        resumed.set()
+
+    with ThreadPoolExecutor(max_workers=world + 1) as pool:
+        stalling = pool.submit(stall_the_store)
+        out = [f.result(timeout=60) for f in [pool.submit(body, c) for c in comms]]
+        stalling.result(timeout=60)
+    gathered, seconds = out[0]
+    assert gathered == [0, 1, 2], gathered
+    assert seconds >= stall
+
+
+class CutOff:
+    """A store client (counted) whose ``cut``-th clone fails its first ``add``, as one that
+    timed out does; what a client cut off answers next cannot be trusted."""
+
+    def __init__(self, store: Any, cut: int, clones: list[CutOff] | None = None) -> None:
+        self._store, self._cut = store, cut
+        self.clones = clones if clones is not None else []
+        self.failed = False
+        self.asked_after = 0
+        """Operations asked of it after it failed."""
+
+    def clone(self) -> CutOff:
+        twin = CutOff(self._store.clone(), self._cut, self.clones)
+        self.clones.append(twin)
+        return twin
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            cut_off = len(self.clones) >= self._cut and self is self.clones[self._cut - 1]
+            if cut_off and name == "add" and not self.failed:
+                self.failed = True
+                raise RuntimeError("Socket Timeout")
+            self.asked_after += self.failed
+            return operation(*args, **kwargs)
+
+        return call
+
+
+def test_a_heartbeat_client_whose_operation_failed_is_replaced_and_never_asked_again(
+    store: tuple[TCPStore, list[TCPStore]],
+) -> None:
+    """A session connects its exchange client, then its heartbeat client, whose first beat
+    fails: the next beat connects another, the failed one is never used again nor kept, and the
+    next session reuses the replacement."""
+    world = 2
+    clients, namespace = counted(store, world)
+    cut = CutOff(clients[0], cut=2)
+    comms = [
+        StoreComm(cut, 0, world, namespace=namespace, timeouts=ALIVE),
+        StoreComm(clients[1], 1, world, namespace=namespace, timeouts=ALIVE),
+    ]
+
+    def body(c: StoreComm) -> Any:
+        out = []
+        for n in range(2):
+            session = c.session("save")
+            try:
+                if c.rank == 1:
+                    time.sleep(0.3)  # the coordinator waits: its heartbeat beats and scans
+                out.append((session.gather("meta", c.rank), session.broadcast("plan", n)))
+            finally:
+                session.close()
+        return out
+
+    assert on_threads(comms, body)[0] == [([0, 1], 0), ([0, 1], 1)]
+    wait, failed, replacement = cut.clones
+    assert failed.failed and failed.asked_after == 0 and failed is not replacement
+    assert clients[0].counts.clients == 4  # the rank's own, and three clones, one a replacement
+    assert clients[0].counts.ops["heartbeat", "add"] >= 2
+    idle = [c for kind in comms[0]._idle_clients.values() for c in kind]
+    assert failed not in idle and wait in idle and replacement in idle

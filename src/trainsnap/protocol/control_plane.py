@@ -25,6 +25,13 @@ from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
 from trainsnap.errors import CommitFailedError
+from trainsnap.protocol.store_ops import (
+    CLIENTS_LOCK,
+    idle_clients_of,
+    present,
+    read_all,
+    set_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +174,7 @@ class StoreComm:
         self.namespace = namespace
         self._seq = 0
         self._lock = threading.Lock()
-        self._idle_clients = _idle_clients_of(store)
+        self._idle_clients = idle_clients_of(store)
 
     @property
     def is_coordinator(self) -> bool:
@@ -184,7 +191,7 @@ class StoreComm:
         its heartbeat thread): the caller's may be in use on another thread. The caller's store
         where it cannot be cloned."""
         kind = self._kind(role)
-        with _CLIENTS_LOCK:
+        with CLIENTS_LOCK:
             if self._idle_clients.get(kind):
                 return self._idle_clients[kind].pop()
         if not hasattr(self.store, "clone"):
@@ -192,12 +199,12 @@ class StoreComm:
         client = self.store.clone()
         if role == "beat":
             # A scan never blocks for long on a heartbeat key deleted under it (a rank closing).
-            _set_timeout(client, self._beat_timeout())
+            set_timeout(client, self._beat_timeout())
         return client
 
     def _release(self, role: str, client: Any) -> None:
         if client is not self.store:
-            with _CLIENTS_LOCK:
+            with CLIENTS_LOCK:
                 self._idle_clients.setdefault(self._kind(role), []).append(client)
 
     def _beat_timeout(self) -> float:
@@ -208,30 +215,11 @@ class StoreComm:
         return f"beat/{self._beat_timeout()}" if role == "beat" else role
 
 
-_CLIENTS: dict[tuple[int, int], tuple[Any, dict[str, list[Any]]]] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def _idle_clients_of(store: Any) -> dict[str, list[Any]]:
-    """The idle clients of ``store`` in this process, by kind (see ``StoreComm._kind``). Keyed
-    by process, so that a forked child never shares its parent's connections, and holding
-    ``store`` itself, so that its id is not reused for another store."""
-    import os
-
-    key = (os.getpid(), id(store))
-    with _CLIENTS_LOCK:
-        entry = _CLIENTS.get(key)
-        if entry is None or entry[0] is not store:
-            entry = _CLIENTS[key] = (store, {})
-        return entry[1]
-
-
 # What a rank finds in a key it waits for: the first byte says what the rest is.
 _INLINE = b"I"  # the pickled object follows
 _SHARED = b"S"  # the object is in the exchange's shared key (too large to copy to every rank)
 _READY = b"R"  # every rank has reported (the coordinator's wake-up of a gather)
 _LOST = b"L"  # this rank's own monitor gave up waiting (see _Wait.lost)
-_ABSENT = b"\x00absent"  # compare_set's answer for a key that does not exist
 INLINE_MAX = 512
 """A broadcast object up to this many pickled bytes is copied into every rank's key (one read
 per rank); a larger one is read from a shared key."""
@@ -290,7 +278,10 @@ class StoreSession:
         self._lock = threading.Lock()
         self._waiting: _Wait | None = None
         self._seen: dict[int, tuple[bytes, float]] = {}
-        """Each awaited rank's heartbeat as last read, and since when it has had that value."""
+        """Each awaited rank's heartbeat as last read, and for how long (see ``_silent``) it
+        has had that value."""
+        self._last_look: float | None = None
+        """When the monitor last read the awaited heartbeats."""
         self._unread: list[str] = []
         """This rank's reports the coordinator may not have read yet: each rank removes its
         own once the coordinator answers (it answers only once it has read them), so that the
@@ -340,11 +331,12 @@ class StoreSession:
 
     def _beat(self) -> None:
         interval = self.c.timeouts.beat_interval
-        store = self.c._client("beat")
-        failing = failed = False
+        store = self._beat_client()
+        failing = False
         try:
             while not self._stop.wait(interval):
                 try:
+                    store = store or self.c._client("beat")
                     store.add(self._beat_key, 1)
                     self._scan(store)
                     failing = False
@@ -355,10 +347,25 @@ class StoreSession:
                         self._beat_key,
                         exc_info=True,
                     )
-                    failing = failed = True
+                    failing = True
+                    # A client whose operation was cut off (timed out) may answer the next one
+                    # with the reply to this one: it is never asked again; the next beat
+                    # connects another.
+                    store = None
         finally:
-            if not failed:  # a client that ever failed may be out of step with the store
+            if store is not None:
                 self.c._release("beat", store)
+
+    def _beat_client(self) -> Any:
+        """The heartbeat's client, connected while the first interval passes; None if it could
+        not be (the first beat tries again)."""
+        try:
+            return self.c._client("beat")
+        except Exception:
+            log.warning(
+                "trainsnap heartbeat of %s could not connect", self._beat_key, exc_info=True
+            )
+            return None
 
     def _scan(self, store: Any) -> None:
         with self._lock:
@@ -381,16 +388,26 @@ class StoreSession:
                     store.compare_set(wait.key, "", _LOST)
 
     def _silent(self, store: Any, ranks: list[int], now: float, what: str) -> dict[int, str]:
-        """The ranks among ``ranks`` whose heartbeat has not changed for the heartbeat timeout."""
+        """The ranks among ``ranks`` whose heartbeat has not changed for the heartbeat timeout,
+        counted in time the store answered this monitor: a gap between two looks longer than
+        half the timeout (the store, or this process, stalled) counts as half the timeout --
+        after a stall the first reads can come before the beats queued behind them, and every
+        live rank would look silent for the length of the stall."""
+        t = self.c.timeouts
+        beats = read_all(store, [self._heartbeat_key(r) for r in ranks])
+        last, self._last_look = self._last_look, now
+        credit = 0.0 if last is None else min(now - last, max(2 * t.beat_interval, t.heartbeat / 2))
         lost: dict[int, str] = {}
-        beats = _read_all(store, [self._heartbeat_key(r) for r in ranks])
         for rank, beat in zip(ranks, beats, strict=True):
             previous = self._seen.get(rank)
             if previous is None or previous[0] != beat:
-                self._seen[rank] = (beat, now)
-            elif now - previous[1] > self.c.timeouts.heartbeat:
+                self._seen[rank] = (beat, 0.0)
+                continue
+            silent = previous[1] + credit
+            self._seen[rank] = (beat, silent)
+            if silent > t.heartbeat:
                 lost[rank] = (
-                    f"no sign of life for {now - previous[1]:.0f} s while the others waited for "
+                    f"no sign of life for {silent:.0f} s while the others waited for "
                     f"its {what} (process killed, hung or unreachable)"
                 )
         return lost
@@ -478,7 +495,7 @@ class StoreSession:
 
         def pending(store: Any) -> list[int]:
             nonlocal awaited
-            here = _present(store, [keys[r] for r in awaited])
+            here = present(store, [keys[r] for r in awaited])
             awaited = [r for r, there in zip(awaited, here, strict=True) if not there]
             return awaited
 
@@ -525,35 +542,6 @@ class StoreSession:
             self.store.delete_key(key)
             self.store.delete_key(f"{key}/reads")
         return value
-
-
-def _set_timeout(store: Any, seconds: float) -> None:
-    try:
-        store.set_timeout(timedelta(seconds=seconds))
-    except Exception:  # a store without timeouts: nothing to bound
-        log.debug("store %r takes no timeout", store, exc_info=True)
-
-
-def _present(store: Any, keys: list[str]) -> list[bool]:
-    """Which of ``keys`` exist, by bisection with ``check`` (which answers for all the keys it
-    is given): one operation when all exist, about 2 m log2(n / m) when m of n do not."""
-    if not keys:
-        return []
-    if store.check(keys):
-        return [True] * len(keys)
-    if len(keys) == 1:
-        return [False]
-    half = len(keys) // 2
-    return _present(store, keys[:half]) + _present(store, keys[half:])
-
-
-def _read_all(store: Any, keys: list[str]) -> list[bytes]:
-    """The values of ``keys``, ``_ABSENT`` for a key that does not exist, in few operations."""
-    if len(keys) == 1:  # compare_set reads one key without creating it
-        return [bytes(store.compare_set(keys[0], _ABSENT, _ABSENT))]
-    here = _present(store, keys)
-    found = iter(store.multi_get([k for k, there in zip(keys, here, strict=True) if there]))
-    return [bytes(next(found)) if there else _ABSENT for there in here]
 
 
 # -- choosing -------------------------------------------------------------------------------------

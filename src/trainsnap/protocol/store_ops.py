@@ -1,0 +1,60 @@
+"""The store operations of the control plane (:mod:`trainsnap.protocol.control_plane`): the
+store clients a process keeps between sessions, and reads that answer for many keys in few
+operations."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ABSENT = b"\x00absent"
+"""``compare_set``'s answer for a key that does not exist."""
+
+_CLIENTS: dict[tuple[int, int], tuple[Any, dict[str, list[Any]]]] = {}
+CLIENTS_LOCK = threading.Lock()
+
+
+def idle_clients_of(store: Any) -> dict[str, list[Any]]:
+    """The idle clients of ``store`` in this process, by kind (see ``StoreComm._kind``). Keyed
+    by process, so that a forked child never shares its parent's connections, and holding
+    ``store`` itself, so that its id is not reused for another store."""
+    key = (os.getpid(), id(store))
+    with CLIENTS_LOCK:
+        entry = _CLIENTS.get(key)
+        if entry is None or entry[0] is not store:
+            entry = _CLIENTS[key] = (store, {})
+        return entry[1]
+
+
+def set_timeout(store: Any, seconds: float) -> None:
+    try:
+        store.set_timeout(timedelta(seconds=seconds))
+    except Exception:  # a store without timeouts: nothing to bound
+        log.debug("store %r takes no timeout", store, exc_info=True)
+
+
+def present(store: Any, keys: list[str]) -> list[bool]:
+    """Which of ``keys`` exist, by bisection with ``check`` (which answers for all the keys it
+    is given): one operation when all exist, about 2 m log2(n / m) when m of n do not."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return [True] * len(keys)
+    if len(keys) == 1:
+        return [False]
+    half = len(keys) // 2
+    return present(store, keys[:half]) + present(store, keys[half:])
+
+
+def read_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, ``ABSENT`` for a key that does not exist, in few operations."""
+    if len(keys) == 1:  # compare_set reads one key without creating it
+        return [bytes(store.compare_set(keys[0], ABSENT, ABSENT))]
+    here = present(store, keys)
+    found = iter(store.multi_get([k for k, there in zip(keys, here, strict=True) if there]))
+    return [bytes(next(found)) if there else ABSENT for there in here]
