@@ -37,6 +37,7 @@ from benchmarks._framework.scale_ranks import STORE_TIMEOUT, _raise_open_files, 
 from benchmarks._framework.state import MiB
 from benchmarks._framework.system import load_average, machine_info, scratch_root
 from benchmarks.planner_sim import World
+from trainsnap.testing.loopback import master_store
 
 KiB = 1024
 TARGETS = {
@@ -68,7 +69,9 @@ def run_world(
 ) -> dict[str, Any]:
     """One simulation: the store, the workers, the phases; every phase's figures."""
     _raise_open_files()
-    master = _master_store()
+    # IPv4 only: see trainsnap.testing.loopback (a dual-stack server stalls at each connect
+    # where the resolver does not answer)
+    master = master_store(timeout=STORE_TIMEOUT)
     context = multiprocessing.get_context("spawn")
     # The coordinator (rank 0) in a process of its own, as on a real job: its threads do not
     # share an interpreter lock with hundreds of other ranks'.
@@ -123,32 +126,6 @@ def run_world(
                 proc.join()
         del master
     return results
-
-
-def _master_store() -> Any:
-    """The store's server, listening on IPv4 only. torch's store server looks up the name of
-    every peer that connects, on its one thread; on the dual-stack socket it opens by itself a
-    loopback peer is ``::ffff:127.0.0.1``, which the hosts file does not name, so the lookup
-    goes to DNS -- and where no name server answers (a machine off the network), the whole
-    store stops for the resolver's timeout (5 s) at each connection. An IPv4 peer
-    ``127.0.0.1`` is named by the hosts file at once."""
-    import socket
-
-    from torch.distributed import TCPStore
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", 0))  # and 127.0.0.2 and up, which workers past 8,000 ranks use
-    listener.listen(4096)
-    port = listener.getsockname()[1]
-    return TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=STORE_TIMEOUT,
-        master_listen_fd=listener.detach(),
-    )
 
 
 def _phases() -> list[tuple[str, str, int]]:

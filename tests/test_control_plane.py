@@ -4,10 +4,11 @@ One master store on loopback; each logical rank is a thread with a store client 
 process of a job would have (and each session clones that client, as it does in a job). Timeouts
 are short where a lost peer must be found, so that it is found in about a second.
 
-Two precautions keep the timings honest on a loaded or sandboxed machine, where an occasional
-TCPStore connect has been seen to take 5 s on loopback: the clients are made once per module, and
-before a timed exchange every live rank waits until its session's heartbeat thread has beaten
-(a session connects twice: a rank still connecting has not started beating). Where every rank is
+Two precautions keep the timings honest on a loaded machine: the clients are made once per module
+(and the master listens on IPv4, see ``trainsnap.testing.loopback``: a dual-stack one can stall
+5 s at each connect where the resolver does not answer), and before a timed exchange every live
+rank waits until its session's heartbeat thread has beaten (a session connects twice: a rank
+still connecting has not started beating). Where every rank is
 alive the heartbeat timeout is generous, so that a slow connect is not taken for a dead peer.
 """
 
@@ -34,6 +35,7 @@ from trainsnap.protocol.control_plane import (
     Timeouts,
 )
 from trainsnap.testing.counting_store import CountingStore
+from trainsnap.testing.loopback import master_store
 
 ALIVE = Timeouts(exchange=60.0, heartbeat=30.0, beat_every=0.05)
 """Every rank alive: nothing is declared lost, however slow a connect."""
@@ -46,7 +48,7 @@ MAX_WORLD = 4
 @pytest.fixture(scope="module")
 def store() -> Iterator[tuple[TCPStore, list[TCPStore]]]:
     """The master (the rendezvous store of a job) and one client per rank, made in parallel."""
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    master = master_store(timeout=STORE_TIMEOUT)
 
     def client(_rank: int) -> TCPStore:
         return TCPStore("127.0.0.1", master.port, is_master=False, timeout=STORE_TIMEOUT)

@@ -32,6 +32,22 @@ def _all_reduce_sum(rank: int, world_size: int, scale: float, *, offset: float =
     }
 
 
+def _tcp_store_round(rank: int, world_size: int) -> dict:
+    """An all-reduce and a store round trip over the tcp rendezvous, and the store's kind."""
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"from/{rank}", str(rank))
+    store.wait([f"from/{r}" for r in range(world_size)])
+    clone = store.clone()  # what the control plane connects per session
+    return {
+        "sum": t.item(),
+        "seen": [store.get(f"from/{r}").decode() for r in range(world_size)],
+        "store": type(getattr(store, "underlying_store", store)).__name__,
+        "clone_sees": clone.get(f"from/{(rank + 1) % world_size}").decode(),
+    }
+
+
 def _raise_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
     if rank == bad_rank:
         raise ValueError(f"rank {rank} refuses")
@@ -83,6 +99,13 @@ def test_four_ranks_all_reduce_and_return_their_values():
         }
     assert all(r.exitcode == 0 and not r.killed and not r.timed_out for r in results)
     assert errors_by_rank(results) == {}
+
+
+def test_a_tcp_rendezvous_hosts_a_tcp_store_every_rank_and_its_clones_reach():
+    values = assert_all_ok(run_ranks(_tcp_store_round, world_size=3, rendezvous="tcp"))
+    for rank, v in enumerate(values):
+        assert v["sum"] == 3.0 and v["seen"] == ["0", "1", "2"]
+        assert v["store"] == "TCPStore" and v["clone_sees"] == str((rank + 1) % 3)
 
 
 def test_an_exception_is_reported_with_message_and_traceback():

@@ -28,6 +28,7 @@ from trainsnap.protocol.control_plane import StoreComm, Timeouts
 from trainsnap.protocol.rank_save import SaveRequest, WriteReport
 from trainsnap.storage.posix import PosixStorage
 from trainsnap.testing.counting_store import CountingStore
+from trainsnap.testing.loopback import master_store
 from trainsnap.tools.cli import app
 
 WORLD = 3
@@ -37,7 +38,7 @@ TIMEOUTS = Timeouts(exchange=60.0, heartbeat=30.0, beat_every=0.1)
 @pytest.fixture(scope="module")
 def clients() -> Iterator[list[TCPStore]]:
     timeout = timedelta(seconds=30)
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    master = master_store(timeout=timeout)
     yield [TCPStore("127.0.0.1", master.port, timeout=timeout) for _ in range(WORLD)]
 
 

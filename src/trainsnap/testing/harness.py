@@ -42,6 +42,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from trainsnap.testing import loopback
+
 __all__ = ["RankResult", "assert_all_ok", "errors_by_rank", "run_ranks"]
 
 # No torch import at module level: this module is imported by each child before the child's
@@ -108,7 +110,7 @@ def run_ranks(
     tests single-process behaviour inside a clean interpreter. ``rendezvous`` is ``"file"`` (a
     file store in a fresh temp dir) or ``"tcp"`` (a TCPStore hosted by rank 0 on a free port of
     127.0.0.1, as torchrun makes: its key-value traffic goes over a socket, not through a file
-    every rank re-reads).
+    every rank re-reads; it listens on IPv4, see :mod:`trainsnap.testing.loopback`).
 
     Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``TRAINSNAP_RANK``, then ``env``,
     then ``rank_env[rank]`` (e.g. ``{1: {"TRAINSNAP_FAULTS": "mid_write=crash"}}``), all set
@@ -368,19 +370,31 @@ def _run(spec: _ChildSpec) -> Any:
 
     torch.set_num_threads(1)
     if spec.init_method is not None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo",
-            init_method=spec.init_method,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.timeout),
-        )
+        _join_process_group(spec)
     fn, args, kwargs = pickle.loads(spec.payload)
     return fn(spec.rank, spec.world_size, *args, **kwargs)
+
+
+def _join_process_group(spec: _ChildSpec) -> None:
+    """The gloo default group; over ``tcp://`` rank 0 hosts the store on IPv4 (see
+    :mod:`trainsnap.testing.loopback`: a dual-stack server can stall at each connection)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    assert spec.init_method is not None
+    timeout = timedelta(seconds=spec.timeout)
+    join: dict[str, Any] = {"init_method": spec.init_method}
+    if spec.init_method.startswith("tcp://"):
+        port = int(spec.init_method.rsplit(":", 1)[1])
+        if spec.rank == 0:
+            store = loopback.master_store(port, timeout)
+        else:
+            store = loopback.client_store(port, timeout)
+        join = {"store": store}
+    dist.init_process_group(
+        "gloo", rank=spec.rank, world_size=spec.world_size, timeout=timeout, **join
+    )
 
 
 def _report(result_path: str, value: Any, error: str | None) -> bool:
