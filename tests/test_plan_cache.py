@@ -1,5 +1,7 @@
 """Cached save plans: a rank whose layout did not change sends a digest, the coordinator reuses
-its plan; any layout change on any rank (a shape, a key, a restarted rank) replans exactly."""
+its plan; any layout change on any rank (a shape, a key, a restarted rank) replans exactly, and
+every kind of layout change (dtype, shape, placement, key, value key, replica) changes the
+digest."""
 
 from __future__ import annotations
 
@@ -110,3 +112,56 @@ def test_a_rank_killed_during_a_cached_save_fails_the_commit_and_is_named(tmp_pa
     assert text.startswith("failed") and "rank 1:" in text, text
     assert results[2].value[0].startswith("failed")
     assert [s.step for s in ts.list_snapshots(tmp_path)] == [1]
+
+
+def _layout(state: dict) -> bytes:
+    """The layout digest a rank sends for ``state`` (what a cached save compares)."""
+    from trainsnap.format.checksums import Hasher
+    from trainsnap.protocol.planner import layout_digest
+    from trainsnap.protocol.rank_save import SaveRequest, describe
+    from trainsnap.tunables import get
+
+    opts = SaveRequest(step=1)
+    local = describe(state, opts, Hasher(opts.checksum, get().block_size), replica_digests=True)
+    return layout_digest(local.meta(0, 1))
+
+
+def _one(
+    local: torch.Tensor | None = None,
+    global_shape: tuple[int, int] = (4, 4),
+    offsets: tuple[int, int] = (0, 0),
+    **extra: object,
+) -> dict:
+    state: dict = {
+        "w": ts.Sharded(
+            torch.zeros(2, 4) if local is None else local,
+            global_shape=global_shape,
+            offsets=offsets,
+        ),
+        "b": torch.ones(4),
+        "lr": 0.1,
+    }
+    state.update(extra)
+    return state
+
+
+def test_every_kind_of_layout_change_changes_the_digest_and_new_values_do_not() -> None:
+    base = _layout(_one())
+    # values changed, nothing else (a value's contents, even its type, are assigned every save)
+    same_layout = _one(local=torch.full((2, 4), 7.0), lr="0.5")
+    assert _layout(same_layout) == base
+    changed = {
+        "dtype": _one(local=torch.zeros(2, 4, dtype=torch.float64)),
+        "shape": _one(local=torch.zeros(2, 8), global_shape=(4, 8)),
+        "global shape": _one(global_shape=(6, 4)),
+        "placement": _one(offsets=(2, 0)),
+        "added key": _one(c=torch.ones(1)),
+        "added value key": _one(momentum=0.9),
+        "replica's bytes": {**_one(), "b": torch.full((4,), 2.0)},  # no longer the same replica
+    }
+    renamed = _one()
+    renamed["w2"] = renamed.pop("w")
+    changed["renamed key"] = renamed
+    digests = {what: _layout(state) for what, state in changed.items()}
+    assert [what for what, digest in digests.items() if digest == base] == []
+    assert len(set(digests.values())) == len(digests)
