@@ -69,9 +69,8 @@ def run_world(
 ) -> dict[str, Any]:
     """One simulation: the store, the workers, the phases; every phase's figures."""
     _raise_open_files()
-    # IPv4 only: see trainsnap.testing.loopback (a dual-stack server stalls at each connect
-    # where the resolver does not answer)
-    master = master_store(timeout=STORE_TIMEOUT)
+    # IPv4 only (see trainsnap.testing.loopback); on every loopback address past 8,000 ranks
+    master = master_store(timeout=STORE_TIMEOUT, host=_store_host(world.size, 0))
     context = multiprocessing.get_context("spawn")
     # The coordinator (rank 0) in a process of its own, as on a real job: its threads do not
     # share an interpreter lock with hundreds of other ranks'.
@@ -85,7 +84,7 @@ def run_world(
         # Past ~8,000 ranks each worker's clients connect to an address of its own: 3
         # connections a rank exhaust the ephemeral ports of one address pair. (Not below:
         # connecting to 127.0.0.2 and up waits on a reverse name lookup.)
-        host = "127.0.0.1" if world.size <= 8000 else f"127.0.0.{p + 1}"
+        host = _store_host(world.size, p + 1)
         proc = context.Process(
             target=serve,
             args=(
@@ -126,6 +125,13 @@ def run_world(
                 proc.join()
         del master
     return results
+
+
+def _store_host(ranks: int, worker: int) -> str:
+    """Where worker ``worker`` (1 and up) connects, or (0) where the store listens."""
+    if ranks <= 8000:
+        return "127.0.0.1"
+    return "0.0.0.0" if worker == 0 else f"127.0.0.{worker}"
 
 
 def _phases() -> list[tuple[str, str, int]]:

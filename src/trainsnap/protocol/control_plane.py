@@ -336,7 +336,8 @@ class StoreSession:
         try:
             while not self._stop.wait(interval):
                 try:
-                    store = store or self.c._client("beat")
+                    if store is None:
+                        store = self.c._client("beat")
                     store.add(self._beat_key, 1)
                     self._scan(store)
                     failing = False

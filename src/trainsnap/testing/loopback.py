@@ -14,14 +14,16 @@ from datetime import timedelta
 from typing import Any
 
 
-def master_store(port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> Any:
-    """A master ``TCPStore`` on ``port`` (0: a free one; ``.port`` says which) of every IPv4
-    address of this machine (127.0.0.2 and up too), not waiting for workers."""
+def master_store(
+    port: int = 0, timeout: timedelta = timedelta(seconds=300), host: str = "127.0.0.1"
+) -> Any:
+    """A master ``TCPStore`` on ``port`` (0: a free one; ``.port`` says which) of ``host``
+    (``0.0.0.0``: every IPv4 address, 127.0.0.2 and up too), not waiting for workers."""
     from torch._C._distributed_c10d import TCPStore
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", port))
+    listener.bind((host, port))
     listener.listen(4096)
     return TCPStore(
         "127.0.0.1",
