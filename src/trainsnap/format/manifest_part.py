@@ -55,6 +55,13 @@ class PartIndex:
         self.m = manifest
         self._tensors = _KeyIndex(manifest.tensor_keys, manifest.tensor_ranks.tolist())
         self._values = _KeyIndex(manifest.value_keys, manifest.value_ranks.tolist())
+        root = manifest.tree
+        self._items = [] if root is None else list(tree.items(root))
+        """The saved tree's top-level items, in its order."""
+        self._at: dict[str, list[int]] = {}
+        """Dotted top-level key -> its items' positions."""
+        for i, (k, _) in enumerate(self._items):
+            self._at.setdefault(tree.join("", k), []).append(i)
 
     def shared(self, wants: Wants) -> Manifest:
         """The global entries under ``wants.tops``, cut to ``wants.regions``; its tree."""
@@ -62,8 +69,16 @@ class PartIndex:
             [(t, wants.regions) for t in self._tensors.global_rows(wants.tops)],
             self._values.global_rows(wants.tops),
         )
-        part.tree = _tree_part(self.m.tree, wants.tops)
+        part.tree = self._tree_part(wants.tops)
         return part
+
+    def _tree_part(self, tops: Sequence[str]) -> Any:
+        """The saved tree's top-level keys among ``tops``, in its order (None stays None: no
+        tree saved); costs ``tops``, not the tree."""
+        if self.m.tree is None:
+            return None
+        at = sorted({i for top in set(tops) for i in self._at.get(top, ())})
+        return tree.mapping(tree.kind(self.m.tree), [self._items[i] for i in at])
 
     def own(self, wants: Sequence[Wants], rank: int) -> Manifest:
         """Rank ``rank``'s per-rank entries under the keys of its ``wants`` (the lowest rank's
@@ -287,13 +302,3 @@ class _Objects:
                 raw_digests=m.object_raw_blocks(o) if compressed else b"",
             )
         return new
-
-
-def _tree_part(root: Any, tops: Sequence[str]) -> Any:
-    """The saved tree's top-level keys among ``tops`` (None stays None: no tree saved)."""
-    if root is None:
-        return None
-    wanted = set(tops)
-    return tree.mapping(
-        tree.kind(root), [(k, c) for k, c in tree.items(root) if tree.join("", k) in wanted]
-    )

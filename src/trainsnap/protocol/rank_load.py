@@ -60,6 +60,9 @@ class _Dest:
     """Contiguous CPU tensor the reads fill: the destination itself when possible."""
     direct: bool
     itemsize: int
+    view: memoryview
+    """The bytes of ``work``, made once here, before any read: made while the I/O pool runs,
+    its torch calls would each wait for a worker to hand the GIL back."""
 
 
 def _dest(item: TensorItem) -> _Dest:
@@ -68,7 +71,7 @@ def _dest(item: TensorItem) -> _Dest:
     t = item.local.detach() if item.local.requires_grad else item.local
     direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
     work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
-    return _Dest(item, work, direct, t.element_size())
+    return _Dest(item, work, direct, t.element_size(), tensor_bytes(work))
 
 
 def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) -> None:
@@ -218,7 +221,7 @@ def _piece_tasks(
     isz, key = dest.itemsize, dest.item.key
     in_place = dest.direct and piece.src_contiguous
     if in_place and (piece.dst_contiguous or _row_elements(piece) * isz >= _MIN_ROW):
-        out = tensor_bytes(dest.work)
+        out = dest.view
         src0, n = piece.src_offset * isz, piece.numel * isz
         if piece.dst_contiguous:
             dst0 = piece.dst_offset * isz
@@ -302,7 +305,7 @@ def _split_whole(
         manifest, [t for _, t in direct], [dest.item.region for dest, _ in direct]
     ).tolist()
     wholes = [
-        (tensor_bytes(dest.work), row, dest.item.key)
+        (dest.view, row, dest.item.key)
         for (dest, _), row in zip(direct, rows, strict=True)
         if row >= 0
     ]
