@@ -153,6 +153,27 @@ def test_replicas_share_reads_in_groups_of_bounded_size_split_by_key() -> None:
     assert plan._sharing(0, wants, mode=0, local=False) == []
 
 
+def test_consecutive_classes_of_the_same_ranks_are_one_part_and_keep_the_tree_order() -> None:
+    """Replicas that want the same under every key (a reshard to fewer ranks) fetch one part,
+    not one a key; classes are bundled only while the ranks stay the same, in the tree's order,
+    so that a rank's parts sorted by their first key hold its keys in the tree's order."""
+    from trainsnap.protocol.manifest_share import _Plan
+
+    position = {"a": 0, "b": 1, "c": 2, "d": 3}
+    replicas = _Plan([(["a", "b", "c", "d"], "host")] * 3)  # type: ignore[arg-type]
+    wants = {top: Wants((top,), {}) for top in position}
+    assert replicas._bundles(wants, position) == [(0, ["a", "b", "c", "d"])]
+
+    # "b" is each rank's own (a ZeRO slice); "a" and "c", "d" are shared.
+    said = [(["a", f"b{r}", "c", "d"], "host") for r in range(2)]
+    zero = _Plan(said)  # type: ignore[arg-type]
+    wants = {d: Wants((d[0],), {}) for d in zero.members}
+    bundles = zero._bundles(wants, position)
+    assert bundles == [(0, ["a"]), (1, ["b0"]), (1, ["b1"]), (2, ["c", "d"])]
+    for rank in range(2):  # each rank's digests are covered by its bundles, in the tree's order
+        mine = [b for b in bundles if rank in zero.members[b[1][0]]]
+        assert [d for _, names in mine for d in names] == said[rank][0]
+
 # -- four real ranks ------------------------------------------------------------------------------
 
 ROWS, COLS = 8, 6

@@ -125,12 +125,19 @@ def manifest_for(
             sent = plan.publish(storage, snapshot_id, heard, comm, session, local)
     except TrainsnapError as e:
         error = _only_on_coordinator(e, comm)
-    own, sharing, share, shared = _scatter(session, "manifest-parts", comm, error, sent)
+    own, sharing, share, shared, names = _scatter(session, "manifest-parts", comm, error, sent)
     if shared is None:  # not the coordinator: fetch what it published
-        names = [WHOLE] if digests is None else digests
         shared = [session.fetch("manifest-part", name) for name in names]
     parts = [part for _, part in sorted(shared, key=lambda entry: entry[0])]
     return merge(parts if own is None else [*parts, own]), sharing, share
+
+
+def _joined(classes: list[Wants]) -> Wants:
+    """One wants for several classes (of different top-level keys)."""
+    if len(classes) == 1:
+        return classes[0]
+    regions = {key: r for wants in classes for key, r in wants.regions.items()}
+    return Wants(tuple(top for wants in classes for top in wants.tops), regions)
 
 
 def _scatter(
@@ -175,34 +182,59 @@ class _Plan:
         session: Session,
         local: bool,
     ) -> list[list[Any]]:
-        """Read the manifest, publish each class's part; return what each rank is sent: its
-        own part, its sharing, whether any rank shares, and (the coordinator's) shared parts."""
+        """Read the manifest, publish each bundle's part (:meth:`_bundles`); return what each
+        rank is sent: its own part, its sharing, whether any rank shares, (the coordinator's)
+        shared parts, and the names of the parts it is to fetch."""
         manifest = commit.open_snapshot(storage, snapshot_id)
         index = PartIndex(manifest)
         wants = {digest: w for said in heard for digest, w in (said or ())}
         position = {top: i for i, top in enumerate(tree_order(manifest.tree))}
         coordinator: dict[str, tuple[int, Manifest]] = {}
-        own_classes = set(self.digests[comm.rank] or [WHOLE])
-        for digest, ranks in self.members.items():
-            if digest == WHOLE:
+        bundle_of: dict[str, str] = {}
+        for at, bundle in self._bundles(wants, position):
+            name, ranks = bundle[0], self.members[bundle[0]]
+            if name == WHOLE:
                 entry = (0, manifest)
             else:
-                tops = wants[digest].tops
-                at = min((position.get(top, len(position)) for top in tops), default=0)
-                entry = (at, index.shared(wants[digest]))
-            session.publish("manifest-part", digest, entry, sum(r != comm.rank for r in ranks))
-            if digest in own_classes:
-                coordinator[digest] = entry
+                entry = (at, index.shared(_joined([wants[d] for d in bundle])))
+            session.publish("manifest-part", name, entry, sum(r != comm.rank for r in ranks))
+            if comm.rank in ranks:
+                coordinator[name] = entry
+            bundle_of.update(dict.fromkeys(bundle, name))
         mode = replica_reads.mode(comm.world_size)
         sharing = [self._sharing(rank, wants, mode, local) for rank in range(len(self.digests))]
         share = any(sharing)
         out = []
         for rank, digests in enumerate(self.digests):
             own = None if digests is None else index.own([wants[d] for d in digests], rank)
-            mine = None
-            if rank == comm.rank:
-                mine = [coordinator[d] for d in ([WHOLE] if digests is None else digests)]
-            out.append([own, sharing[rank], share, mine])
+            names = list(dict.fromkeys(bundle_of[d] for d in digests or [WHOLE]))
+            mine = [coordinator[name] for name in names] if rank == comm.rank else None
+            out.append([own, sharing[rank], share, mine, names])
+        return out
+
+    def _bundles(
+        self, wants: Mapping[str, Wants], position: Mapping[str, int]
+    ) -> list[tuple[int, list[str]]]:
+        """The classes in the saved tree's order, bundled where consecutive ones have the same
+        ranks (a reshard's replicas, which want the same under every key): one part is
+        published and fetched per bundle, not per class. Consecutive only, so that a rank's
+        parts, in the order of their first key, still hold the tree's keys in its order.
+        Each: (position of its first key, its classes' digests)."""
+
+        def first(digest: str) -> int:
+            tops = wants[digest].tops
+            return min((position.get(top, len(position)) for top in tops), default=0)
+
+        ordered = sorted((first(d), d) for d in self.members if d != WHOLE)
+        out: list[tuple[int, list[str]]] = [(0, [WHOLE])] if WHOLE in self.members else []
+        previous: list[int] | None = None
+        for at, digest in ordered:
+            ranks = self.members[digest]
+            if ranks == previous and out:
+                out[-1][1].append(digest)
+            else:
+                out.append((at, [digest]))
+            previous = ranks
         return out
 
     def _sharing(self, rank: int, wants: Mapping[str, Wants], mode: int, local: bool) -> Sharing:
