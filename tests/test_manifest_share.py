@@ -174,6 +174,7 @@ def test_consecutive_classes_of_the_same_ranks_are_one_part_and_keep_the_tree_or
         mine = [b for b in bundles if rank in zero.members[b[1][0]]]
         assert [d for _, names in mine for d in names] == said[rank][0]
 
+
 # -- four real ranks ------------------------------------------------------------------------------
 
 ROWS, COLS = 8, 6
