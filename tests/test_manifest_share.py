@@ -254,3 +254,21 @@ def test_a_load_on_four_ranks_reads_the_manifest_once_and_hands_each_rank_its_pa
     # and 3), not the other one, and its own counter, not the other ranks'.
     assert [o["shards"] for o in out] == [4 + 1] * 4
     assert [o["tensor_ranks"] for o in out] == [[-1, r] for r in range(4)]
+
+
+def _save_one(rank: int, world: int, root: str) -> None:
+    ts.save({"w": torch.full((4,), 7.0)}, root, step=1)
+
+
+def _load_one_or_nothing(rank: int, world: int, root: str) -> Any:
+    state: dict[str, Any] = {"w": torch.zeros(4)} if rank == 0 else {}
+    ts.load(state, root)
+    return state["w"].tolist() if state else None
+
+
+def test_a_rank_whose_state_asks_for_nothing_fetches_no_part(tmp_path: Any) -> None:
+    """A rank loading an empty state has no classes: it fetches nothing (not the whole
+    manifest, which no rank asked for), and the others load as usual."""
+    assert_all_ok(run_ranks(_save_one, 2, args=(str(tmp_path),)))
+    loaded = assert_all_ok(run_ranks(_load_one_or_nothing, 2, args=(str(tmp_path),)))
+    assert loaded == [[7.0] * 4, None]

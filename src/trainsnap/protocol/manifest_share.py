@@ -207,7 +207,8 @@ class _Plan:
         out = []
         for rank, digests in enumerate(self.digests):
             own = None if digests is None else index.own([wants[d] for d in digests], rank)
-            names = list(dict.fromkeys(bundle_of[d] for d in digests or [WHOLE]))
+            classes = [WHOLE] if digests is None else digests
+            names = list(dict.fromkeys(bundle_of[d] for d in classes))
             mine = [coordinator[name] for name in names] if rank == comm.rank else None
             out.append([own, sharing[rank], share, mine, names])
         return out
@@ -230,7 +231,7 @@ class _Plan:
         previous: list[int] | None = None
         for at, digest in ordered:
             ranks = self.members[digest]
-            if ranks == previous and out:
+            if ranks == previous:
                 out[-1][1].append(digest)
             else:
                 out.append((at, [digest]))
