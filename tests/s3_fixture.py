@@ -1,14 +1,13 @@
 """A real S3 API server on loopback (moto), for tests that exercise the ``s3://`` backend.
 
-The server runs in a thread of the test process for the whole session, so that S3 tests talk
-HTTP to an actual endpoint (signing, ranged GETs, listings) without any network access or real
-credentials. Tests ask for :func:`s3_root` to get a fresh prefix each, and open it with
-:func:`open_s3`.
+The server (:class:`trainsnap.testing.s3.LoopbackS3`) runs in a thread of the test process for
+the whole session, so that S3 tests talk HTTP to an actual endpoint (signing, ranged GETs,
+listings) without any network access or real credentials. Tests ask for :func:`s3_root` to get
+a fresh prefix each, and open it with :func:`open_s3`.
 """
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,16 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from trainsnap.storage import Storage, open_storage
-
-BUCKET = "trainsnap-test"
-
-_FAKE_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-# Variables that would send the client elsewhere or override the fake credentials.
-_CLEARED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL")
+from trainsnap.testing.s3 import BUCKET, LoopbackS3
 
 
 @dataclass(frozen=True)
@@ -53,34 +43,13 @@ def bucket_keys(endpoint: str) -> set[str]:
     return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
 
 
-def _free_port() -> int:
-    """A port the kernel considers free now; the server binds it right after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """Start the loopback S3 server with fake credentials and one bucket; yield its URL."""
-    pytest.importorskip("s3fs")
-    boto3 = pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in _FAKE_CREDENTIALS.items():
-            mp.setenv(name, value)
-        for name in _CLEARED:
-            mp.delenv(name, raising=False)
-        port = _free_port()
-        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            endpoint = f"http://127.0.0.1:{port}"
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            client.create_bucket(Bucket=BUCKET)
-            yield endpoint
-        finally:
-            server.stop()
+    for module in ("s3fs", "boto3", "moto.server"):
+        pytest.importorskip(module)
+    with LoopbackS3() as server:
+        yield server.endpoint
 
 
 @pytest.fixture

@@ -152,17 +152,29 @@ def test_scale(tmp_path: Path) -> None:
 
 
 def test_replica_reads(tmp_path: Path) -> None:
-    """4 ranks, both layouts: every load checked bit for bit; sharing reads each stored byte
-    about once, the default on one host and DCP every replica's bytes."""
+    """4 ranks, both layouts, on both stores: every load checked bit for bit; sharing pulls each
+    stored byte about once, trainsnap reading alone and DCP every replica's bytes."""
     text, out = run_benchmark("replica_reads", tmp_path)
-    for layout, replicas in (("ddp", 4), ("mesh", 2)):
-        methods = out["layouts"][layout]
-        assert methods["trainsnap-shared"]["read_ratio"] <= 1.3
-        assert methods["trainsnap"]["read_ratio"] >= 0.9 * replicas
-        assert all(m["stored"] > 0 and m["seconds"] > 0 for m in methods.values())
+    for store, sharing, alone in (
+        ("file", "trainsnap-shared", "trainsnap"),
+        ("s3", "trainsnap", "trainsnap-alone"),
+    ):
+        for layout, replicas in (("ddp", 4), ("mesh", 2)):
+            methods = out["layouts"][f"{store}/{layout}"]
+            assert methods[sharing]["read_ratio"] <= 1.3
+            assert methods[alone]["read_ratio"] >= 0.9 * replicas
+            assert methods["dcp"]["read_ratio"] >= 0.9 * replicas
+            assert all(m["stored"] > 0 and m["seconds"] > 0 for m in methods.values())
     assert_verdicts(
         text,
-        ["ddp: trainsnap-shared bytes read / stored", "mesh: trainsnap-shared bytes read / stored"],
+        [
+            "file ddp: trainsnap-shared bytes pulled / stored",
+            "file mesh: trainsnap-shared bytes pulled / stored",
+            "s3 ddp: trainsnap bytes pulled / stored",
+            "s3 mesh: trainsnap bytes pulled / stored",
+            "s3 ddp: load time, sharing / each rank reading alone",
+            "s3 mesh: load time, sharing / each rank reading alone",
+        ],
     )
 
 

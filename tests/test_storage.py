@@ -362,3 +362,20 @@ def test_save_list_load_verify(storage: Storage) -> None:
     report = ts.verify(storage)
     assert report.ok
     assert [s.id for s in report.snapshots] == [info.id]
+
+
+@pytest.mark.s3
+def test_loopback_s3_counts_the_body_bytes_it_serves(s3_root: S3Root) -> None:
+    """What ``benchmarks.replica_reads`` counts as pulled: every body byte of a GET, whole or
+    ranged, and nothing for a PUT or a HEAD."""
+    from trainsnap.testing.s3 import SERVED_PATH, served
+
+    storage, count = s3_root.open(), s3_root.endpoint + SERVED_PATH
+    before = served(count)
+    storage.put("blob", bytes(range(256)) * 40)
+    storage.stat("blob")
+    assert served(count) == before
+    assert len(storage.get("blob")) == 10240
+    assert served(count) == before + 10240
+    assert storage.get("blob", 100, 1100) == (bytes(range(256)) * 40)[100:1100]
+    assert served(count) == before + 11240
