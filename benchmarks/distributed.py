@@ -3,10 +3,11 @@ a 4 -> 2 rank reshard, and a planner simulation at 4,096 ranks.
 
 Three parts, all in one default run:
 
-1. **Sharded save/load.** 4 spawned processes (gloo, file rendezvous, one intra-op thread each)
-   on a (dp=2, tp=2) device mesh hold a DTensor state of ``--gib`` GiB (global, logical bytes):
-   2-D weights placed [Replicate(), Shard(0)], [Replicate(), Shard(1)] and [Shard(0), Shard(1)],
-   fp32 and bf16, plus small 1-D tensors (norms, biases). Each rank builds only its local shards
+1. **Sharded save/load.** 4 spawned processes (gloo, one intra-op thread each; a TCPStore
+   rendezvous on loopback, as torchrun makes) on a (dp=2, tp=2) device mesh hold a DTensor
+   state of ``--gib`` GiB (global, logical bytes): 2-D weights placed [Replicate(), Shard(0)],
+   [Replicate(), Shard(1)] and [Shard(0), Shard(1)], fp32 and bf16, plus small 1-D tensors
+   (norms, biases). Each rank builds only its local shards
    (values are a deterministic function of the global coordinates), never a full tensor. Each
    repetition saves with both methods into fresh directories, then loads both into zeroed
    destination DTensors, the order of methods alternating between repetitions; the page cache is
@@ -280,7 +281,9 @@ def _run_part(
     mesh = "(dp=2, tp=2)" if world_size == 4 else "(dp=2, tp=1)"
     print(f"{part}: {world_size} ranks, mesh {mesh}, {how} ...", flush=True)
     timeout = 900 + 900 * config["gib"] * (config["warmup"] + config["reps"])
-    wall_s, ranks = timed(lambda: run_ranks(function, world_size, args=(config,), timeout=timeout))
+    wall_s, ranks = timed(
+        lambda: run_ranks(function, world_size, args=(config,), timeout=timeout, rendezvous="tcp")
+    )
     gathered = _gather(assert_all_ok(ranks), config["warmup"]) | {"wall_s": wall_s}
     _print_repetitions(part, gathered, metrics)
     return gathered
