@@ -3,7 +3,9 @@ runner that lets reads start while a load is still planning."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import threading
 import time
@@ -166,3 +168,23 @@ def test_a_forked_child_gets_a_pool_of_its_own():
         os._exit(0 if run_all([lambda: 1, lambda: 2], 2) == [1, 2] else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_parts_take_hands_out_the_next_bytes_in_order_across_any_cuts() -> None:
+    """Random buffers (empty ones among them) over random bytes, taken in random amounts: each
+    take's views hold exactly the next bytes; taking past the end raises."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        data = bytearray(rng.randbytes(rng.randrange(0, 300)))
+        cuts = sorted(
+            [0, len(data), *(rng.randrange(len(data) + 1) for _ in range(rng.randrange(8)))]
+        )
+        parts = Parts([memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)])
+        pos = 0
+        while pos < len(data):
+            n = rng.randrange(len(data) - pos + 1)
+            views = parts.take(n)
+            assert b"".join(bytes(v) for v in views) == bytes(data[pos : pos + n])
+            pos += n
+        with pytest.raises(ValueError, match="past the end"):
+            parts.take(1)

@@ -8,8 +8,10 @@ import contextlib
 import ctypes
 import mmap
 import threading
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -47,25 +49,35 @@ def gather(parts: list[memoryview], size: int) -> memoryview:
 
 class Parts:
     """Consecutive destination bytes spread over several buffers (the rows of a column piece),
-    handed out in order: :meth:`take` returns the views that the next ``n`` bytes fill."""
+    handed out in order: :meth:`take` returns the views that the next ``n`` bytes fill.
+
+    A take finds its first and last buffer by bisection and hands the whole buffers between
+    them out as they are: a column piece has thousands of rows, and a loop over them in Python
+    would cost more than reading them."""
 
     def __init__(self, buffers: list[memoryview]) -> None:
         self._buffers = buffers
-        self._index = 0
-        self._offset = 0
+        self._ends = list(accumulate(map(len, buffers)))
+        self._pos = 0
 
     def take(self, nbytes: int) -> list[memoryview]:
-        out = []
-        while nbytes:
-            buffer = self._buffers[self._index]
-            n = min(nbytes, len(buffer) - self._offset)
-            if n:
-                out.append(buffer[self._offset : self._offset + n])
-            nbytes -= n
-            self._offset += n
-            if self._offset == len(buffer):
-                self._index, self._offset = self._index + 1, 0
-        return out
+        if not nbytes:
+            return []
+        start, end = self._pos, self._pos + nbytes
+        if end > (self._ends[-1] if self._ends else 0):
+            raise ValueError(f"take({nbytes}) past the end of the parts ({self._ends[-1:]})")
+        self._pos = end
+        bufs, ends = self._buffers, self._ends
+        i = bisect_right(ends, start)  # the buffer holding byte ``start``
+        j = bisect_left(ends, end, i)  # the buffer holding byte ``end - 1``
+        first, last = bufs[i], bufs[j]
+        first_lo = start - (ends[i] - len(first))
+        last_hi = end - (ends[j] - len(last))
+        if i == j:
+            return [first if first_lo == 0 and last_hi == len(first) else first[first_lo:last_hi]]
+        head = first[first_lo:] if first_lo else first
+        tail = last if last_hi == len(last) else last[:last_hi]
+        return [head, *bufs[i + 1 : j], tail]
 
 
 def scatter_copy(source: memoryview, parts: list[memoryview]) -> None:

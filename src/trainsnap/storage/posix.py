@@ -326,6 +326,9 @@ def _read_all(fd: int, buffers: Sequence[memoryview], pos: int, path: Path) -> i
         if n == 0:
             raise ShortReadError(f"{path}: short read, object ends before byte {pos}")
         pos += n
+        if n == sum(map(len, batch)):  # the usual case: no loop over a batch's buffers
+            first += len(batch)
+            continue
         while n and n >= len(pending[first]):  # a call may stop short: resume where it did
             n -= len(pending[first])
             first += 1
