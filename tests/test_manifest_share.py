@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import trainsnap as ts
@@ -272,3 +273,55 @@ def test_a_rank_whose_state_asks_for_nothing_fetches_no_part(tmp_path: Any) -> N
     assert_all_ok(run_ranks(_save_one, 2, args=(str(tmp_path),)))
     loaded = assert_all_ok(run_ranks(_load_one_or_nothing, 2, args=(str(tmp_path),)))
     assert loaded == [[7.0] * 4, None]
+
+
+def _load_counting_lists(rank: int, world: int, root: str, snapshot: str) -> Any:
+    """Load ``snapshot``; (the error raised or None, how often this rank listed the root)."""
+    from trainsnap.storage.posix import PosixStorage
+
+    lists = []
+    listing = PosixStorage.list
+
+    def counting_list(self: Any, prefix: str = "") -> Any:
+        lists.append(prefix)
+        return listing(self, prefix)
+
+    PosixStorage.list = counting_list  # type: ignore[method-assign]
+    state = {"w": torch.zeros(4)}
+    try:
+        ts.load(state, root, snapshot=snapshot, timeout=60)
+    except ts.TrainsnapError as e:
+        return type(e).__name__, str(e), len(lists)
+    return None, state["w"].tolist(), len(lists)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_the_coordinator_alone_resolves_and_its_failure_is_every_ranks(
+    tmp_path: Any, saved: bool
+) -> None:
+    """Only the coordinator lists the root to resolve "latest"; when there is nothing to
+    resolve, or the id names no snapshot, every rank raises the coordinator's error (the
+    others saying it was found there), and no rank waits for another."""
+    root = str(tmp_path)
+    if saved:
+        assert_all_ok(run_ranks(_save_one, 2, args=(root,)))
+    latest = assert_all_ok(run_ranks(_load_counting_lists, 3, args=(root, "latest"), timeout=90))
+    assert [lists for *_, lists in latest][1:] == [0, 0]
+    assert latest[0][2] >= 1
+    if saved:
+        assert [(error, w) for error, w, _ in latest] == [(None, [7.0] * 4)] * 3
+    else:
+        why = f"no committed snapshot in {root}; save one first, or check the root"
+        told = f"{why} (found by the coordinator, rank 0)"
+        assert [(e, w) for e, w, _ in latest] == [("NotFoundError", why)] + [
+            ("NotFoundError", told)
+        ] * 2
+    missing = "step-000000000099-0123abcd"
+    named = assert_all_ok(run_ranks(_load_counting_lists, 3, args=(root, missing), timeout=90))
+    assert {error for error, _, _ in named} == {"NotFoundError"}
+    assert all(missing in why for _, why, _ in named)
+    assert [why.endswith("(found by the coordinator, rank 0)") for _, why, _ in named] == [
+        False,
+        True,
+        True,
+    ]
