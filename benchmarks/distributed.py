@@ -20,9 +20,10 @@ Three parts, all in one default run:
    rank holds the [Replicate(), Shard(d)] weights whole and half of the [Shard(0), Shard(1)]
    ones), alternating methods, evicted before each load, checked once.
 
-   **The limit** of both loads (``raw`` in the output): after the loads of each repetition, the
-   byte ranges of trainsnap's object files that this rank's ``ts.load`` reads (found with
-   trainsnap's own load planner, merged, cut at 32 MiB) are read again, evicted first, with
+   **The limit** of both loads (``raw`` in the output): in each repetition, among the loads (the
+   three take turns at going first, second and third), the byte ranges of trainsnap's object
+   files that this rank's ``ts.load`` reads (found with trainsnap's own load planner, merged,
+   cut at 32 MiB) are read, evicted first, with
    ``preadv`` into one preallocated buffer on the same number of threads, with no checksums and
    no placement: what the disk and the page cache allow for the same bytes on the same ranks.
 3. **Planner simulation** (no processes, no data): ``benchmarks.planner_sim``, 4,096 ranks.
@@ -36,7 +37,7 @@ Methods (``benchmarks._framework.adapters`` and ``.raw``):
 
 <io threads> is trainsnap's ``io_threads`` tunable (``TRAINSNAP_IO_THREADS`` overrides it).
 
-    python -m benchmarks.distributed                  # 1 GiB, 1 warm-up + 3 repetitions, all parts
+    python -m benchmarks.distributed                  # 1 GiB, 1 warm-up + 6 repetitions, all parts
     python -m benchmarks.distributed --gib 0.25 --reps 2 --json out.json
     python -m benchmarks.distributed --skip-io        # the planner simulation only
     python -m benchmarks.distributed --smoke          # tiny, 16 simulated ranks: does it run?
@@ -181,9 +182,11 @@ def _rank_record(
 
 
 def _rotate(methods: list[Method], repetition: int) -> list[Method]:
-    """The compared methods rotated (the first timed repetition starts with trainsnap); the
-    limit last, after the loads it measures."""
-    return [*rotated(methods[:2], repetition), methods[2]]
+    """The methods rotated (the first timed repetition starts with trainsnap), the limit among
+    them: its reads need only the repetition's trainsnap snapshot, which every save precedes.
+    Each load takes each place in turn, so none always follows the same one (a DCP load leaves
+    the most memory to reclaim behind it)."""
+    return rotated(methods, repetition)
 
 
 def _new_directories(root: Path, rank: int, repetition: int) -> dict[str, Path]:
@@ -239,7 +242,7 @@ def sharded_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str
 
 def reshard_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """Part 2, on each of the 2 ranks (mesh (2, 1)): load the 4-rank checkpoints of part 1,
-    alternating methods (warm-up repetitions first), evicted first, then the limit; the first
+    rotating methods and the limit (warm-up repetitions first), evicted first; the first
     repetition's loads are checked."""
     warnings.filterwarnings("ignore")
     root, specs, mesh = Path(config["root"]), state_specs(config["gib"]), _mesh(2, 1)
@@ -427,7 +430,7 @@ def _validate(args: Any) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    arguments = cli.parser(__doc__, reps=3, seed=False)
+    arguments = cli.parser(__doc__, reps=6, seed=False)
     arguments.add_argument(
         "--gib", type=float, default=1.0, help="global state size in GiB (default 1)"
     )
