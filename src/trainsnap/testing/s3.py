@@ -152,5 +152,6 @@ class LoopbackS3:
 
 def served(served_url: str) -> int:
     """Body bytes a :class:`LoopbackS3` has served so far, asked from any process."""
-    with urllib.request.urlopen(served_url, timeout=30) as answer:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    with direct.open(served_url, timeout=30) as answer:
         return int(answer.read())
