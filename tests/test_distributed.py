@@ -361,3 +361,91 @@ def _save_columns_small(rank: int, world: int, root: str) -> bool:
 
 
 _ = Path
+
+
+class _Stage(torch.nn.Module):
+    """A pipeline stage: its own layers, named by their global index, as torchtitan's are."""
+
+    def __init__(self, layers: list[int]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in layers})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def _stage_state(layers: list[int], trained: bool) -> tuple[_Stage, Any]:
+    torch.manual_seed(sum(layers) if trained else 1234)
+    model = _Stage(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if trained:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _stage_tensors(model: _Stage, optimizer: Any) -> dict[str, list]:
+    out = {k: v.tolist() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optimizer.state.items():
+        out |= {f"{names[id(p)]}.{k}": v.tolist() for k, v in st.items()}
+    return out
+
+
+def _save_stages(rank: int, world: int, root: str) -> dict[str, list]:
+    model, optimizer = _stage_state([rank], trained=True)
+    ts.save(ts.TrainState(model=model, optimizer=optimizer), root, step=5)
+    return _stage_tensors(model, optimizer)
+
+
+def _load_stages(
+    rank: int, world: int, root: str, layers: list[list[int]], level: str = "strict"
+) -> Any:
+    model, optimizer = _stage_state(layers[rank], trained=False)
+    try:
+        ts.load(ts.TrainState(model=model, optimizer=optimizer), root, level=level)
+    except ts.TrainsnapError as e:
+        return type(e).__name__, str(e)
+    return _stage_tensors(model, optimizer)
+
+
+def test_pipeline_stages_get_their_own_layers_back_and_not_the_others(tmp_path):
+    """Two pipeline stages save their own layers (and Adam moments) into one snapshot, whose
+    tree holds both. Loaded on the same stages, and on swapped ones, each stage gets exactly
+    its layers and moments back (before: every stage was also given the other's layers, and
+    its module refused them); one process holding both stages gets both models' weights (a
+    weights-level load: the stages' optimizer groups and RNG are per rank). One process holding
+    one stage is refused, naming the layers it lacks."""
+    root = str(tmp_path)
+    saved = assert_all_ok(run_ranks(_save_stages, 2, args=(root,)))
+    assert all(len(s) == 8 for s in saved)  # weight, bias; their step and two moments each
+    for layers in ([[0], [1]], [[1], [0]]):
+        out = assert_all_ok(run_ranks(_load_stages, 2, args=(root, layers)))
+        assert out == [saved[layers[0][0]], saved[layers[1][0]]]
+    (both,) = assert_all_ok(run_ranks(_load_stages, 1, args=(root, [[0, 1]], "weights")))
+    weights = {k: v for k, v in (saved[0] | saved[1]).items() if k.count(".") == 2}
+    assert both == weights and len(weights) == 4
+    (alone,) = assert_all_ok(run_ranks(_load_stages, 1, args=(root, [[1]], "weights")))
+    assert alone[0] == "IncompatibleError"
+    assert "layers.0.weight" in alone[1] and "state lacks" in alone[1]
+
+
+def _save_stage_module(rank: int, world: int, root: str) -> dict[str, list]:
+    model, _ = _stage_state([rank], trained=True)
+    ts.save({"model": model, "step": 5}, root, step=5)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+def _load_stage_module(rank: int, world: int, root: str) -> dict[str, list]:
+    model, _ = _stage_state([1 - rank], trained=False)
+    ts.load({"model": model, "step": 0}, root)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+def test_a_stage_module_in_a_plain_state_gets_only_its_layers(tmp_path):
+    """The same through a module in a plain dict (its state dict is exact), on swapped stages."""
+    root = str(tmp_path)
+    saved = assert_all_ok(run_ranks(_save_stage_module, 2, args=(root,)))
+    assert assert_all_ok(run_ranks(_load_stage_module, 2, args=(root,))) == saved[::-1]

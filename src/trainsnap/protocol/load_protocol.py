@@ -125,7 +125,12 @@ def _load(
         world = m.world_size
         with trace.span("read") as ev:
             same = world == comm.world_size
-            wanted = targets(tree) if m.tree is None else tree_load.plan(tree, m, comm.rank, same)
+            alone = comm.world_size == 1
+            wanted = (
+                targets(tree)
+                if m.tree is None
+                else tree_load.plan(tree, m, comm.rank, same, alone=alone)
+            )
             reader = fill(
                 storage,
                 m,

@@ -7,8 +7,13 @@ snapshot's tree decides what comes back, exactly as saved:
 * a placeholder (None, ``{}``, ``[]``, a dict with fewer keys, a shorter list, a plain value) is
   replaced or completed from the snapshot: plain values decoded, containers rebuilt with their
   saved kind, key types and order, unsharded tensors created on CPU;
-* an object with ``load_state_dict`` gets its whole saved subtree (its current state dict is
-  the template: tensors there are filled in place, the rest is filled as above);
+* an object with ``load_state_dict`` gets its saved subtree (its current state dict is the
+  template: tensors there are filled in place, the rest is filled as above); a module's state
+  dict, and a :class:`~trainsnap.state.capture.Exact` mapping (a ``TrainState``'s model,
+  optimizer state -- its parameters' names -- and gradients), is exact: saved keys it does not
+  admit are left out -- in a job of
+  pipeline stages every stage saved its own layers into one tree, and a stage holds only its
+  own -- and, in a load of one process, refused (the model changed since the save);
 * a saved tensor that was sharded (several shards) with no destination tensor is refused --
   never a hidden full materialisation on every rank;
 * a key the state holds that the snapshot lacks, and a container the state holds with more items
@@ -32,6 +37,7 @@ from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Box
 from trainsnap.protocol.rank_load import rank_scoped, refuse_rank_bound
 from trainsnap.state.capture import (
+    Exact,
     Sharded,
     Targets,
     TensorItem,
@@ -51,10 +57,13 @@ _ABSENT: Any = object()
 
 
 class _Planner:
-    def __init__(self, manifest: Manifest, rank: int, *, lenient: bool = False) -> None:
+    def __init__(
+        self, manifest: Manifest, rank: int, *, lenient: bool = False, alone: bool = False
+    ) -> None:
         """``lenient``: a read (sharded tensors are assembled whole; another rank's entries
-        are left out) rather than a load."""
-        self.m, self.rank, self.lenient = manifest, rank, lenient
+        are left out) rather than a load. ``alone``: a load of one process (no other rank
+        can hold the saved keys an exact mapping lacks)."""
+        self.m, self.rank, self.lenient, self.alone = manifest, rank, lenient, alone
         self.targets = Targets()
         self.missing: list[str] = []
         self.problems: list[tuple[str, str]] = []
@@ -99,7 +108,7 @@ class _Planner:
 
     # -- nodes -------------------------------------------------------------------------------
 
-    def node(self, tmpl: Any, saved: Any, key: str) -> Realize:
+    def node(self, tmpl: Any, saved: Any, key: str, exact: bool = False) -> Realize:
         if isinstance(tmpl, torch.Tensor | Sharded):
             if saved is None or tree.kind(saved) == "leaf":
                 return self._tensor_into(tmpl, key)
@@ -116,12 +125,12 @@ class _Planner:
         if kind == "leaf":
             return self._saved_leaf(key)
         if kind in tree.MAPPINGS:
-            return self._mapping(tmpl, saved, key)
+            return self._mapping(tmpl, saved, key, exact or isinstance(tmpl, Exact))
         return self._sequence(tmpl, saved, key)
 
     def _stateful(self, obj: Any, saved: Any, key: str) -> Realize:
         sd = state_dict_of(obj, key)
-        build = self.node(sd, saved, key)
+        build = self.node(sd, saved, key, exact=isinstance(obj, torch.nn.Module))
 
         def realize(decoded: dict[str, Any]) -> Any:
             new = build(decoded)
@@ -130,14 +139,28 @@ class _Planner:
 
         return realize
 
-    def _mapping(self, tmpl: Any, saved: Any, key: str) -> Realize:
+    def _mapping(self, tmpl: Any, saved: Any, key: str, exact: bool) -> Realize:
         kind = tree.kind(saved)
         pairs = tree.items(saved)
         saved_keys = {(type(k), k) for k, _ in pairs}
         given = tmpl if isinstance(tmpl, Mapping) else {}
         for k in given:
             if (type(k), k) not in saved_keys:
-                self.missing.append(tree.join(key, k) if tree.is_key(k) else f"{key}.{k!r}")
+                self.missing.append(_path(key, k))
+        if exact:
+            held = {(type(k), k) for k in given}
+            admits = tmpl.admits if isinstance(tmpl, Exact) else lambda k: (type(k), k) in held
+            lacked = [_path(key, k) for k, _ in pairs if not admits(k)]
+            if lacked and self.alone:
+                self.problems.append(
+                    (
+                        key,
+                        f"the snapshot holds {len(lacked)} key(s) here that the state lacks "
+                        f"({keys_summary(lacked)}): load into the configuration that was "
+                        "saved, or take what you need with ts.read",
+                    )
+                )
+            pairs = [(k, c) for k, c in pairs if admits(k)]
         children = []
         for k, c in pairs:
             old = given.get(k) if k in given else None
@@ -193,16 +216,22 @@ class _Planner:
         return realize
 
 
+def _path(key: str, k: Any) -> str:
+    return tree.join(key, k) if tree.is_key(k) else f"{key}.{k!r}"
+
+
 def _built(build: Any, old: Any, decoded: dict[str, Any]) -> Any:
     return old if build is _SAME else build(decoded)
 
 
-def plan(state: Any, manifest: Manifest, rank: int, same_world: bool = True) -> Targets:
+def plan(
+    state: Any, manifest: Manifest, rank: int, same_world: bool = True, *, alone: bool = False
+) -> Targets:
     """What loading ``state`` from ``manifest`` (which has a tree) reads, and how the results
     are put in place (``Targets.assign``); raises before reading anything when the state and the
-    snapshot do not fit."""
+    snapshot do not fit. ``alone``: this is a load of one process."""
     assert manifest.tree is not None
-    planner = _Planner(manifest, rank)
+    planner = _Planner(manifest, rank, alone=alone)
     root_obj = state
     if is_stateful(state) and not isinstance(state, Mapping):
         root_obj = state_dict_of(state, "")

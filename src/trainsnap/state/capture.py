@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+)
 from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import Any
@@ -127,6 +134,23 @@ class Targets:
     assign: Callable[[dict[str, Any]], None] | None = None
     """When set, puts the decoded values (by key) and created tensors in place, instead of
     each value target's container (loads driven by the saved tree)."""
+
+
+class Exact(dict):  # type: ignore[type-arg]
+    """A mapping of a load's template whose keys -- or ``allowed``, when given -- are all that
+    loading into it may fill: keys the snapshot holds there beyond them are left out, not
+    added (a dict with fewer keys is otherwise a placeholder, completed from the snapshot).
+    ``allowed`` also lets keys the template lacks be completed: an optimizer's state, empty
+    before its first step, gets the moments of its own parameters and no others. A pipeline
+    stage's model and optimizer state are exact: the stages of a job saved one tree holding
+    every stage's keys, and a stage holds only its own."""
+
+    def __init__(self, items: Any = (), allowed: Collection[Any] | None = None) -> None:
+        super().__init__(items)
+        self.allowed = None if allowed is None else frozenset(allowed)
+
+    def admits(self, key: Any) -> bool:
+        return key in self if self.allowed is None else key in self.allowed
 
 
 def is_stateful(obj: object) -> bool:

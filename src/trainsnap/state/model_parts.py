@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trainsnap.errors import InvalidArgumentError
-from trainsnap.state.capture import is_stateful
+from trainsnap.state.capture import Exact, is_stateful
 
 
 def is_container(optimizer: Any) -> bool:
@@ -122,6 +122,31 @@ class ModelParts:
         if self.kind == "named":
             return sds
         return [sds[str(i)] for i in range(len(sds))]
+
+    def exact(self, msd: Any, osd: Any) -> tuple[Any, Any]:
+        """The load templates ``msd`` and ``osd`` (from :meth:`model_tree` and
+        :meth:`optim_tree`) with the mappings of names made :class:`Exact`: the names a rank's
+        modules hold are all it loads, so a pipeline stage is not given the other stages'
+        layers, nor their moments, from the job's one saved tree. An optimizer's state admits
+        its part's names, whether it holds them yet or not. A Stateful model's and optimizer
+        container's own trees stay as they are."""
+        if self.kind == "stateful":
+            return msd, osd
+        if self.container is None and osd is not None:
+            by_part = (
+                [("", osd)]
+                if self.kind == "module"
+                else list(osd.items())
+                if isinstance(osd, Mapping)
+                else [(str(i), sd) for i, sd in enumerate(osd)]
+            )
+            for part, sd in by_part:
+                sd["state"] = Exact(sd["state"], allowed=self._part_keys[part])
+            if self.kind == "named":
+                osd = Exact(osd)
+        if self.kind == "named":
+            return Exact({k: Exact(sd) for k, sd in msd.items()}), osd
+        return Exact(msd), osd
 
     def plain_optim_trees(self, osd: Any) -> list[dict[str, Any]]:
         """The torch optimizers' state dicts inside ``osd`` (none for a container)."""

@@ -29,6 +29,7 @@ import torch
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
 from trainsnap.format.manifest import LEVELS, Manifest, level_rank
 from trainsnap.state import rng as rng_mod
+from trainsnap.state.capture import Exact
 from trainsnap.state.model_parts import ModelParts
 
 log = logging.getLogger("trainsnap.load")
@@ -329,9 +330,9 @@ class TrainState:
         parts = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
         tree: dict[str, Any] = {}
         if "model" in parts:
-            msd, osd = self._model_and_optim("optim" in parts)
+            assert self._parts is not None
+            msd, osd = self._parts.exact(*self._model_and_optim("optim" in parts))
             if osd is not None:
-                assert self._parts is not None
                 stateless = set(snap.stateless)
                 for sd in self._parts.plain_optim_trees(osd):
                     for name in list(sd["state"]):
@@ -353,9 +354,9 @@ class TrainState:
         if "grads" in parts:
             assert self._parts is not None
             names = snap.grad_names
-            tree["grads"] = {
-                n: torch.zeros_like(p) for n, p in self._parts.named_parameters() if n in names
-            }
+            tree["grads"] = Exact(
+                (n, torch.zeros_like(p)) for n, p in self._parts.named_parameters() if n in names
+            )
         return tree
 
     def check_loaded(self, tree: dict[str, Any]) -> None:
