@@ -417,13 +417,17 @@ def test_pipeline_stages_get_their_own_layers_back_and_not_the_others(tmp_path):
     its layers and moments back (before: every stage was also given the other's layers, and
     its module refused them); one process holding both stages gets both models' weights (a
     weights-level load: the stages' optimizer groups and RNG are per rank). One process holding
-    one stage is refused, naming the layers it lacks."""
+    one stage is refused, naming the layers it lacks, and so are two that both lack a layer."""
     root = str(tmp_path)
     saved = assert_all_ok(run_ranks(_save_stages, 2, args=(root,)))
     assert all(len(s) == 8 for s in saved)  # weight, bias; their step and two moments each
     for layers in ([[0], [1]], [[1], [0]]):
         out = assert_all_ok(run_ranks(_load_stages, 2, args=(root, layers)))
         assert out == [saved[layers[0][0]], saved[layers[1][0]]]
+    # No rank holds layer 1: the model changed since the save. Every rank fails, naming it.
+    lost = assert_all_ok(run_ranks(_load_stages, 2, args=(root, [[0], [0]])))
+    assert [error for error, _ in lost] == ["CommitFailedError"] * 2
+    assert all("no rank loads 4 key(s)" in why and "layers.1.weight" in why for _, why in lost)
     (both,) = assert_all_ok(run_ranks(_load_stages, 1, args=(root, [[0, 1]], "weights")))
     weights = {k: v for k, v in (saved[0] | saved[1]).items() if k.count(".") == 2}
     assert both == weights and len(weights) == 4

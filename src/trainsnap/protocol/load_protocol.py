@@ -17,12 +17,13 @@ Every rank calls :func:`run_load`:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from typing import Any
 
 from trainsnap import trace
 from trainsnap.errors import CommitFailedError, TrainsnapError
-from trainsnap.format.manifest import Manifest
+from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
@@ -69,9 +70,14 @@ def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> s
     return str(decided(session.broadcast("snapshot", told(chosen, error)), error, comm.coordinator))
 
 
-def _load_outcome(comm: Comm, session: Session, report: tuple[str | None, str]) -> dict[int, str]:
-    """Every rank's (error, level reached) gathered on the coordinator; the ranks that failed
-    (or disagree on the level), the same on every rank."""
+def _load_outcome(
+    comm: Comm, session: Session, report: tuple[str | None, str, Any], left_out: list[str]
+) -> dict[int, str]:
+    """Every rank's (error, level reached, digests of the saved keys its exact templates left
+    out) gathered on the coordinator; the ranks that failed (or disagree on the level), the
+    same on every rank. A saved key that every rank left out -- no stage of a pipeline holds
+    it: the model changed since the save -- fails the load on the coordinator, named from its
+    own ``left_out`` (a key every rank left out is among them)."""
     try:
         results = session.gather("loaded", report)
     except PeerLost as e:
@@ -81,12 +87,31 @@ def _load_outcome(comm: Comm, session: Session, report: tuple[str | None, str]) 
     failed: dict[int, str] = {}
     if comm.is_coordinator:
         assert results is not None
-        failed = {r: why for r, (why, _) in enumerate(results) if why is not None}
-        levels = {lvl for why, lvl in results if why is None}
+        failed = {r: why for r, (why, _, _) in enumerate(results) if why is not None}
+        levels = {lvl for why, lvl, _ in results if why is None}
         if len(levels) > 1:
             failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
+        unasked = _left_out_everywhere([lacked for why, _, lacked in results if why is None])
+        names = [k for k in left_out if _digest(k) in unasked]
+        if names and not failed:
+            failed[comm.rank] = (
+                f"no rank loads {len(names)} key(s) the snapshot holds ({keys_summary(names)}): "
+                "the model lacks them on every rank; load into the configuration that was "
+                "saved, or take what you need with ts.read"
+            )
     out: dict[int, str] = session.broadcast("load-outcome", failed)
     return out
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
+
+
+def _left_out_everywhere(reports: list[frozenset[bytes] | None]) -> frozenset[bytes]:
+    """The digests every rank left out (a rank that left nothing out: none)."""
+    if not reports or any(r is None for r in reports):
+        return frozenset()
+    return frozenset.intersection(*(r for r in reports if r is not None))
 
 
 def _load(
@@ -112,6 +137,7 @@ def _load(
     error: TrainsnapError | None = None
     tree: Any = state
     reached, nread = level, 0
+    left_out: list[str] = []
     try:
         if isinstance(state, TrainState):
             plan = state.plan_load(
@@ -131,6 +157,7 @@ def _load(
                 if m.tree is None
                 else tree_load.plan(tree, m, comm.rank, same, alone=alone)
             )
+            left_out = wanted.left_out
             reader = fill(
                 storage,
                 m,
@@ -151,9 +178,10 @@ def _load(
             # Failed before reading: the replicas must not wait for this rank's share.
             with contextlib.suppress(TrainsnapError):  # a replica lost: its own error says so
                 replica_reads.tell(replicas, e)
-    report = (None if error is None else describe_error(error), reached)
+    lacked = frozenset(map(_digest, left_out)) if left_out else None
+    report = (None if error is None else describe_error(error), reached, lacked)
     with trace.span("agree"):
-        failed = _load_outcome(comm, session, report)
+        failed = _load_outcome(comm, session, report, left_out)
     if error is not None:
         raise error
     if failed:

@@ -13,7 +13,9 @@ snapshot's tree decides what comes back, exactly as saved:
   optimizer state -- its parameters' names -- and gradients), is exact: saved keys it does not
   admit are left out -- in a job of
   pipeline stages every stage saved its own layers into one tree, and a stage holds only its
-  own -- and, in a load of one process, refused (the model changed since the save);
+  own -- and, in a load of one process, refused (the model changed since the save; in a load
+  of several, a saved key that no rank's exact mapping admits fails the load, see
+  :mod:`trainsnap.protocol.load_protocol`);
 * a saved tensor that was sharded (several shards) with no destination tensor is refused --
   never a hidden full materialisation on every rank;
 * a key the state holds that the snapshot lacks, and a container the state holds with more items
@@ -160,6 +162,7 @@ class _Planner:
                         "saved, or take what you need with ts.read",
                     )
                 )
+            self.targets.left_out += lacked
             pairs = [(k, c) for k, c in pairs if admits(k)]
         children = []
         for k, c in pairs:

@@ -134,6 +134,8 @@ class Targets:
     assign: Callable[[dict[str, Any]], None] | None = None
     """When set, puts the decoded values (by key) and created tensors in place, instead of
     each value target's container (loads driven by the saved tree)."""
+    left_out: list[str] = field(default_factory=list)
+    """Saved keys an :class:`Exact` mapping did not admit (another rank may hold them)."""
 
 
 class Exact(dict):  # type: ignore[type-arg]
