@@ -73,11 +73,14 @@ def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> s
 def _load_outcome(
     comm: Comm, session: Session, report: tuple[str | None, str, Any], left_out: list[str]
 ) -> dict[int, str]:
-    """Every rank's (error, level reached, digests of the saved keys its exact templates left
-    out) gathered on the coordinator; the ranks that failed (or disagree on the level), the
-    same on every rank. A saved key that every rank left out -- no stage of a pipeline holds
-    it: the model changed since the save -- fails the load on the coordinator, named from its
-    own ``left_out`` (a key every rank left out is among them)."""
+    """Every rank's (error, level reached, what its exact templates admitted) gathered on the
+    coordinator; the ranks that failed (or disagree on the level), the same on every rank.
+
+    A saved key that no rank admits -- no stage of a pipeline holds it: the model changed since
+    the save -- fails the load on the coordinator. Such a key is among the coordinator's own
+    ``left_out``; a rank that left nothing out reports nothing, any other the 8-byte digests of
+    the keys it admitted (a pipeline stage: its own layers), not of those it left out (every
+    other stage's)."""
     try:
         results = session.gather("loaded", report)
     except PeerLost as e:
@@ -91,8 +94,7 @@ def _load_outcome(
         levels = {lvl for why, lvl, _ in results if why is None}
         if len(levels) > 1:
             failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
-        unasked = _left_out_everywhere([lacked for why, _, lacked in results if why is None])
-        names = [k for k in left_out if _digest(k) in unasked]
+        names = _unadmitted(left_out, [took for why, _, took in results if why is None])
         if names and not failed:
             failed[comm.rank] = (
                 f"no rank loads {len(names)} key(s) the snapshot holds ({keys_summary(names)}): "
@@ -107,11 +109,12 @@ def _digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=8).digest()
 
 
-def _left_out_everywhere(reports: list[frozenset[bytes] | None]) -> frozenset[bytes]:
-    """The digests every rank left out (a rank that left nothing out: none)."""
-    if not reports or any(r is None for r in reports):
-        return frozenset()
-    return frozenset.intersection(*(r for r in reports if r is not None))
+def _unadmitted(left_out: list[str], reports: list[frozenset[bytes] | None]) -> list[str]:
+    """The keys of ``left_out`` that no rank admitted (none when a rank left nothing out)."""
+    if not left_out or any(r is None for r in reports):
+        return []
+    admitted = frozenset().union(*(r for r in reports if r is not None))
+    return [k for k in left_out if _digest(k) not in admitted]
 
 
 def _load(
@@ -138,6 +141,7 @@ def _load(
     tree: Any = state
     reached, nread = level, 0
     left_out: list[str] = []
+    admitted: list[str] = []
     try:
         if isinstance(state, TrainState):
             plan = state.plan_load(
@@ -157,7 +161,7 @@ def _load(
                 if m.tree is None
                 else tree_load.plan(tree, m, comm.rank, same, alone=alone)
             )
-            left_out = wanted.left_out
+            left_out, admitted = wanted.left_out, wanted.admitted
             reader = fill(
                 storage,
                 m,
@@ -178,8 +182,8 @@ def _load(
             # Failed before reading: the replicas must not wait for this rank's share.
             with contextlib.suppress(TrainsnapError):  # a replica lost: its own error says so
                 replica_reads.tell(replicas, e)
-    lacked = frozenset(map(_digest, left_out)) if left_out else None
-    report = (None if error is None else describe_error(error), reached, lacked)
+    took = frozenset(map(_digest, admitted)) if left_out else None
+    report = (None if error is None else describe_error(error), reached, took)
     with trace.span("agree"):
         failed = _load_outcome(comm, session, report, left_out)
     if error is not None:

@@ -162,8 +162,9 @@ class _Planner:
                         "saved, or take what you need with ts.read",
                     )
                 )
-            self.targets.left_out += lacked
             pairs = [(k, c) for k, c in pairs if admits(k)]
+            self.targets.left_out += lacked
+            self.targets.admitted += [_path(key, k) for k, _ in pairs]
         children = []
         for k, c in pairs:
             old = given.get(k) if k in given else None

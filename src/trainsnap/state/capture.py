@@ -136,6 +136,8 @@ class Targets:
     each value target's container (loads driven by the saved tree)."""
     left_out: list[str] = field(default_factory=list)
     """Saved keys an :class:`Exact` mapping did not admit (another rank may hold them)."""
+    admitted: list[str] = field(default_factory=list)
+    """Saved keys an :class:`Exact` mapping admitted."""
 
 
 class Exact(dict):  # type: ignore[type-arg]
