@@ -8,14 +8,13 @@ snapshot's tree decides what comes back, exactly as saved:
   replaced or completed from the snapshot: plain values decoded, containers rebuilt with their
   saved kind, key types and order, unsharded tensors created on CPU;
 * an object with ``load_state_dict`` gets its saved subtree (its current state dict is the
-  template: tensors there are filled in place, the rest is filled as above); a module's state
-  dict, and a :class:`~trainsnap.state.capture.Exact` mapping (a ``TrainState``'s model,
-  optimizer state -- its parameters' names -- and gradients), is exact: saved keys it does not
-  admit are left out -- in a job of
-  pipeline stages every stage saved its own layers into one tree, and a stage holds only its
-  own -- and, in a load of one process, refused (the model changed since the save; in a load
-  of several, a saved key that no rank's exact mapping admits fails the load, see
-  :mod:`trainsnap.protocol.load_protocol`);
+  template: tensors there are filled in place, the rest is filled as above);
+* a module's state dict, and a :class:`~trainsnap.state.capture.Exact` mapping (a
+  ``TrainState``'s model, optimizer state -- its parameters' names -- and gradients), is
+  exact: saved keys it does not admit are left out (in a job of pipeline stages every stage
+  saved its own layers into one tree, and a stage holds only its own); a saved key that no
+  rank admits is refused: in a load of one process here, in a load of several at the outcome
+  agreement (:mod:`trainsnap.protocol.load_protocol`);
 * a saved tensor that was sharded (several shards) with no destination tensor is refused --
   never a hidden full materialisation on every rank;
 * a key the state holds that the snapshot lacks, and a container the state holds with more items
