@@ -45,7 +45,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import trainsnap as ts
 from benchmarks._framework import cli
 from benchmarks._framework.adapters import Dcp, Trainsnap
 from benchmarks._framework.method import Method, rotated
@@ -84,19 +83,13 @@ def _specs(layout: str, gib: float) -> list[Spec]:
 
 
 class _Reads(Trainsnap):
-    """trainsnap, its loads with ``replica_reads`` set to ``mode`` (None: the default, 1) and
-    ``storage_options`` (to reach an object store)."""
+    """trainsnap, its loads with ``replica_reads`` set to ``mode`` (None: the default, 1)."""
 
     def __init__(
         self, name: str, mode: int | None, storage_options: dict[str, str] | None = None
     ) -> None:
-        super().__init__(name=name)
+        super().__init__(name=name, storage_options=storage_options)
         self.mode = mode
-        self.storage_options = storage_options
-
-    def save(self, state: Any, directory: Any) -> None:
-        self.step += 1
-        ts.save(state, directory, step=self.step, storage_options=self.storage_options)
 
     def load(self, destination: Any, directory: Any) -> None:
         from trainsnap import tunables
@@ -105,7 +98,7 @@ class _Reads(Trainsnap):
             mode = dataclasses.replace(tunables.get(), replica_reads=self.mode)
             tunables.set_for_testing(mode)
         try:
-            ts.load(destination, directory, storage_options=self.storage_options)
+            super().load(destination, directory)
         finally:
             tunables.set_for_testing(None)
 

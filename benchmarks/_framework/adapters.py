@@ -37,7 +37,8 @@ def trace_seconds(step: int) -> dict[str, float]:
 
 
 class Trainsnap(Method):
-    """``trainsnap.save`` / ``trainsnap.load`` (checksums on, the default); with
+    """``trainsnap.save`` / ``trainsnap.load`` (checksums on, the default; ``storage_options``
+    to reach an object store); with
     ``asynchronous``, ``trainsnap.async_save`` on a dedicated ``AsyncSaver``, its pause
     ``handle.pause`` and its phases from ``trainsnap.trace``. Every save has a new step (unique
     steps name the trace spans)."""
@@ -48,10 +49,12 @@ class Trainsnap(Method):
         name: str = "trainsnap",
         asynchronous: bool = False,
         options: ts.SaveOptions | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.name, self.label = name, name
         self.asynchronous = asynchronous
         self.options = options
+        self.storage_options = storage_options
         self.saver: ts.AsyncSaver | None = None
         self.step = 0
         self.last_info: ts.SnapshotInfo | None = None
@@ -64,7 +67,13 @@ class Trainsnap(Method):
     def save(self, state: State, directory: Path) -> Pending | None:
         self.step += 1
         if self.saver is None:
-            self.last_info = ts.save(state, directory, step=self.step, options=self.options)
+            self.last_info = ts.save(
+                state,
+                directory,
+                step=self.step,
+                options=self.options,
+                storage_options=self.storage_options,
+            )
             return None
         start = time.perf_counter()
         handle: Any = ts.async_save(state, directory, step=self.step, saver=self.saver)
@@ -78,7 +87,7 @@ class Trainsnap(Method):
         return Pending(handle.pause, wait, {"call": call_s})
 
     def load(self, destination: State, directory: Path) -> None:
-        ts.load(destination, directory)
+        ts.load(destination, directory, storage_options=self.storage_options)
 
     def teardown(self) -> None:
         if self.saver is not None:

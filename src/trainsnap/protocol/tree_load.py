@@ -149,9 +149,9 @@ class _Planner:
             if (type(k), k) not in saved_keys:
                 self.missing.append(_path(key, k))
         if exact:
-            held = {(type(k), k) for k in given}
-            admits = tmpl.admits if isinstance(tmpl, Exact) else lambda k: (type(k), k) in held
-            lacked = [_path(key, k) for k, _ in pairs if not admits(k)]
+            allowed = tmpl.allowed if isinstance(tmpl, Exact) else None
+            held = {(type(k), k) for k in (given if allowed is None else allowed)}
+            lacked = [_path(key, k) for k, _ in pairs if (type(k), k) not in held]
             if lacked and self.alone:
                 self.problems.append(
                     (
@@ -161,7 +161,7 @@ class _Planner:
                         "saved, or take what you need with ts.read",
                     )
                 )
-            pairs = [(k, c) for k, c in pairs if admits(k)]
+            pairs = [(k, c) for k, c in pairs if (type(k), k) in held]
             self.targets.left_out += lacked
             self.targets.admitted += [_path(key, k) for k, _ in pairs]
         children = []

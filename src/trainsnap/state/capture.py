@@ -153,9 +153,6 @@ class Exact(dict):  # type: ignore[type-arg]
         super().__init__(items)
         self.allowed = None if allowed is None else frozenset(allowed)
 
-    def admits(self, key: Any) -> bool:
-        return key in self if self.allowed is None else key in self.allowed
-
 
 def is_stateful(obj: object) -> bool:
     return (

@@ -132,29 +132,27 @@ class ModelParts:
         container's own trees stay as they are."""
         if self.kind == "stateful":
             return msd, osd
-        if self.container is None and osd is not None:
-            by_part = (
-                [("", osd)]
-                if self.kind == "module"
-                else list(osd.items())
-                if isinstance(osd, Mapping)
-                else [(str(i), sd) for i, sd in enumerate(osd)]
-            )
-            for part, sd in by_part:
-                sd["state"] = Exact(sd["state"], allowed=self._part_keys[part])
-            if self.kind == "named":
-                osd = Exact(osd)
+        for part, sd in self._optim_trees_by_part(osd):
+            sd["state"] = Exact(sd["state"], allowed=self._part_keys[part])
+        if self.kind == "named" and self.container is None and osd is not None:
+            osd = Exact(osd)
         if self.kind == "named":
             return Exact({k: Exact(sd) for k, sd in msd.items()}), osd
         return Exact(msd), osd
 
     def plain_optim_trees(self, osd: Any) -> list[dict[str, Any]]:
         """The torch optimizers' state dicts inside ``osd`` (none for a container)."""
+        return [sd for _, sd in self._optim_trees_by_part(osd)]
+
+    def _optim_trees_by_part(self, osd: Any) -> list[tuple[str, dict[str, Any]]]:
+        """(part, its torch optimizer's state dict) inside ``osd`` (none for a container)."""
         if self.container is not None or osd is None:
             return []
         if self.kind == "module":
-            return [osd]
-        return list(osd.values()) if isinstance(osd, Mapping) else list(osd)
+            return [("", osd)]
+        if isinstance(osd, Mapping):
+            return list(osd.items())
+        return [(str(i), sd) for i, sd in enumerate(osd)]
 
     def apply(self, msd: Any, osd: Any) -> None:
         from torch.distributed.checkpoint.state_dict import (

@@ -133,7 +133,7 @@ def run_ranks(
     workdir = Path(tempfile.mkdtemp(prefix="trainsnap-ranks-"))
     init_method = (workdir / "rendezvous").as_uri()
     if rendezvous == "tcp":
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = get_context("spawn")
     procs: list[Any] = []
     try:
@@ -355,8 +355,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _free_port() -> int:
-    """A port of 127.0.0.1 free now (rank 0 binds it a moment later)."""
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (whoever asked binds it a moment later)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -13,11 +13,12 @@ read the count at :attr:`served_url`. Needs ``moto[server]`` (a test dependency)
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from trainsnap.testing.harness import free_port
 
 BUCKET = "trainsnap-test"
 
@@ -60,13 +61,6 @@ class _Counting:
             close = getattr(body, "close", None)
             if close is not None:
                 close()
-
-
-def _free_port() -> int:
-    """A port the kernel considers free now; the server binds it right after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LoopbackS3:
@@ -115,7 +109,7 @@ class LoopbackS3:
             def log_request(self, *args: Any) -> None:
                 """Not every request: a load makes thousands."""
 
-        port = _free_port()
+        port = free_port()
         self._app = _Counting(DomainDispatcherApplication(create_backend_app))
         self._server = make_server(
             "127.0.0.1", port, self._app, threaded=True, request_handler=Quiet
