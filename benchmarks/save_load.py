@@ -1,10 +1,13 @@
 """Save and load of one process's state: trainsnap against torch.save, DCP and the disk's limit.
 
 On the same state in the same run, each repetition saves with every method (each into a fresh
-directory), then loads every method's snapshot into preallocated destination tensors, the order
-of methods rotating from one repetition to the next. Before each load the files about to be read
-are dropped from the page cache (``posix_fadvise(DONTNEED)``; ``--warm`` skips that), and each
-load is checked bit for bit against the source (outside the timing).
+directory), then loads every method's snapshot into preallocated destination tensors ``--loads``
+times (3 by default), the order of methods rotating from one repetition, and one round of loads,
+to the next. Before each load the files about to be read are dropped from the page cache
+(``posix_fadvise(DONTNEED)``; ``--warm`` skips that), and each load is checked bit for bit
+against the source (outside the timing). A cold load's time swings with the disk's other tenants
+(the same raw read of 1 GiB took 0.5 s and 1.4 s minutes apart here): the load medians are taken
+over repetitions times loads.
 
 Methods (``benchmarks._framework.adapters`` and ``.raw``):
 
@@ -19,7 +22,7 @@ Methods (``benchmarks._framework.adapters`` and ``.raw``):
 
 <io threads> is trainsnap's ``io_threads`` tunable (``TRAINSNAP_IO_THREADS`` overrides it).
 
-    python -m benchmarks.save_load                 # 1 GiB, 5 repetitions
+    python -m benchmarks.save_load                 # 1 GiB, 5 repetitions of 1 save, 3 loads
     python -m benchmarks.save_load --gib 0.25 --reps 3 --json out.json
     python -m benchmarks.save_load --smoke         # tiny: does it run and verify?
 
@@ -76,7 +79,7 @@ TARGETS: dict[tuple[str, str], float] = {
     ("load", "dcp"): 0.5,
 }
 LOAD_RAW_TARGET = {"cold": 1.1, "warm": 2.0}
-SMOKE = {"gib": 0.01, "reps": 2}
+SMOKE = {"gib": 0.01, "reps": 2, "loads": 2}
 
 
 def methods(threads: int) -> list[Method]:
@@ -154,6 +157,7 @@ def repeat(
             clear=clear_state,
             before_load=_evictor(args.warm),
             verify=verify,
+            loads=args.loads,
         )
         order = rotated(compared, repetition)
         with ExitStack() as stack:
@@ -165,7 +169,8 @@ def repeat(
             f"rep {repetition + 1}/{args.reps} [{' '.join(results.orders[-1])}] "
             + "  ".join(
                 f"{m.name} {results.series(m.name, 'save')[-1]:.2f}/"
-                f"{results.series(m.name, 'load')[-1]:.2f}s"
+                + ",".join(f"{x:.2f}" for x in results.series(m.name, "load")[-args.loads :])
+                + "s"
                 for m in compared
             )
             + "  (save/load, verified)",
@@ -190,7 +195,8 @@ def run(args: Any) -> dict[str, Any]:
         probe = probe_eviction(state, destination, root)
         results = repeat(compared, state, destination, root, args)
     machine["loadavg_end"] = load_average()
-    config = {"gib": args.gib, "reps": args.reps, "seed": args.seed, "warm": args.warm}
+    config = {"gib": args.gib, "reps": args.reps, "loads": args.loads, "seed": args.seed}
+    config["warm"] = args.warm
     return {
         "machine": machine,
         "config": config | {"io_threads": machine["io_threads"]},
@@ -214,7 +220,8 @@ def report(out: dict[str, Any]) -> tuple[str, list[Any]]:
     lines = [
         "",
         f"state {nbytes / GiB:.3f} GiB ({nbytes} bytes, {out['state']['tensors']} tensors), "
-        f"{config['reps']} repetitions, io_threads={config['io_threads']}, {cache}; load "
+        f"{config['reps']} repetitions of 1 save and {config['loads']} loads, "
+        f"io_threads={config['io_threads']}, {cache}; load "
         f"average (1/5/15 min) at start {out['machine']['loadavg_start']}, at end "
         f"{out['machine']['loadavg_end']}",
         "",
@@ -233,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     arguments = cli.parser(__doc__, reps=5)
     arguments.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     arguments.add_argument("--warm", action="store_true", help="do not evict files before loads")
-    args = cli.parse(arguments, argv, SMOKE)
+    arguments.add_argument(
+        "--loads", type=int, default=3, help="loads of each snapshot per repetition (default 3)"
+    )
+    args = cli.parse(
+        arguments, argv, SMOKE, lambda a: "--loads must be at least 1" if a.loads < 1 else None
+    )
     out = run(args)
     text, out["checks"] = report(out)
     emit(out, text, args.json)

@@ -67,6 +67,11 @@ def test_save_load(tmp_path: Path) -> None:
     assert text.count("(save/load, verified)") == reps
     assert len(out["results"]["orders"]) == reps
     assert_measured(out["results"], ["trainsnap", "torch", "dcp", "raw"], ["save", "load"])
+    loads = out["config"]["loads"]
+    assert loads > 1  # the smoke size runs the rounds of loads
+    for method in ("trainsnap", "torch", "dcp", "raw"):
+        series = out["results"]["values"][method]
+        assert len(series["save"]) == reps and len(series["load"]) == reps * loads, method
     labels = [f"{op}: trainsnap/{other}" for op in ("save", "load") for other in ("DCP", "raw")]
     assert_verdicts(text, [*labels, "save: trainsnap/torch.save", "load: trainsnap/torch.load"])
     assert out["eviction_probe"]["cold_read_s"] > 0

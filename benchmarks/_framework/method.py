@@ -135,8 +135,9 @@ def rotated(items: Sequence[T], shift: int) -> list[T]:
 
 
 class Measurements:
-    """Named values (seconds, bytes, fractions) per method, one per repetition, in repetition
-    order; and the order of the methods in each repetition. Missing values are NaN."""
+    """Named values (seconds, bytes, fractions) per method, in the order measured (one per
+    repetition, or several: a repetition's loads); and the order of the methods in each
+    repetition. Missing values are NaN."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[str, list[float]]] = {}
@@ -234,6 +235,10 @@ class SaveLoadRound:
     timer: Timer = wall_time
     saves: bool = True
     """False: load the snapshots already in the directories (a reshard, another world)."""
+    loads: int = 1
+    """Loads of each method's snapshot per repetition, the order of the methods rotating from
+    one to the next: a cold load's time swings with the disk's other tenants, and one save
+    costs more than several loads."""
 
     def run(
         self, methods: Sequence[Method], directories: Mapping[str, Path], results: Measurements
@@ -243,9 +248,10 @@ class SaveLoadRound:
             if self.saves and method.can_save:
                 save = functools.partial(method.save, self.state, directories[method.name])
                 results.add(method.name, "save", self.timer(save))
-        for method in methods:
-            if method.can_load:
-                self.load(method, directories[method.name], results)
+        for turn in range(self.loads):
+            for method in rotated(methods, turn):
+                if method.can_load:
+                    self.load(method, directories[method.name], results)
 
     def load(self, method: Method, directory: Path, results: Measurements) -> None:
         method.prepare_load(self.destination, directory)
