@@ -3,7 +3,7 @@
 On the same state in the same run, each repetition saves with every method (each into a fresh
 directory), then loads every method's snapshot into preallocated destination tensors ``--loads``
 times (3 by default), the order of methods rotating from one repetition, and one round of loads,
-to the next. Before each load the files about to be read are dropped from the page cache
+to the next. Before each load every method's files are dropped from the page cache
 (``posix_fadvise(DONTNEED)``; ``--warm`` skips that), and each load is checked bit for bit
 against the source (outside the timing). A cold load's time swings with the disk's other tenants
 (the same raw read of 1 GiB took 0.5 s and 1.4 s minutes apart here): the load medians are taken
@@ -130,10 +130,17 @@ def probe_eviction(state: Tensors, destination: Tensors, root: Path) -> dict[str
     return probe
 
 
-def _evictor(warm: bool) -> Any:
+def _evictor(warm: bool, root: Path) -> Any:
+    """Before each cold load, every method's files are dropped from the page cache, not only
+    those about to be read: the memory a load's page cache then takes is in the same state for
+    every method. Dropping only the next method's files left the previous load's gigabyte
+    cached, and the load after it ran slower (the same trainsnap and raw loads alternating,
+    4 repetitions of 3 each: trainsnap/raw 1.37 and 1.30 evicting only the files read next,
+    1.12 and 1.15 evicting all; this machine's memory is reclaimed by the host when idle)."""
+
     def before_load(directory: Path) -> float | None:
         if not warm:
-            evict(directory)
+            evict(root)
         return resident_fraction(directory)
 
     return before_load
@@ -155,7 +162,7 @@ def repeat(
             state=state,
             destination=destination,
             clear=clear_state,
-            before_load=_evictor(args.warm),
+            before_load=_evictor(args.warm, root),
             verify=verify,
             loads=args.loads,
         )
@@ -190,7 +197,8 @@ def run(args: Any) -> dict[str, Any]:
     compared = methods(machine["io_threads"])
     need = state_nbytes(state) * (len(compared) + 1.2)
     with scratch_root(args.dir, need, "trainsnap-bench-") as root, set_up(compared):
-        eviction = "off (--warm)" if args.warm else "posix_fadvise(DONTNEED) before each load"
+        cold = "posix_fadvise(DONTNEED) of every method's files before each load"
+        eviction = "off (--warm)" if args.warm else cold
         print(f"eviction: {eviction}")
         probe = probe_eviction(state, destination, root)
         results = repeat(compared, state, destination, root, args)
