@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from trainsnap import tunables
-from trainsnap.engine.buffers import BouncePool, Parts, tensor_bytes
+from trainsnap.engine.buffers import BouncePool, Parts, raw_bytes
 from trainsnap.engine.pool import TaskRunner
 from trainsnap.engine.reader import Reader
 from trainsnap.errors import (
@@ -68,9 +68,9 @@ def _dest(item: TensorItem) -> _Dest:
     # detach only where it matters (a strided copy into a leaf that requires grad): it releases
     # the GIL, which costs a handoff per tensor while the I/O pool runs
     t = item.local.detach() if item.local.requires_grad else item.local
-    direct = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    direct = t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
     work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
-    return _Dest(item, work, direct, t.element_size(), tensor_bytes(work))
+    return _Dest(item, work, direct, t.element_size(), raw_bytes(work))
 
 
 def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) -> None:
