@@ -195,3 +195,66 @@ def test_hsdp_saved_on_4_ranks_loads_on_2(tmp_path: Path) -> None:
     saved = assert_all_ok(run_ranks(_train_hsdp_and_save, world_size=4, args=(str(tmp_path),)))
     for loaded in assert_all_ok(run_ranks(_load_on, world_size=2, args=(str(tmp_path), 2, 1))):
         _assert_same(loaded, saved[0])
+
+
+def _boxes_of_layouts(rank: int, world_size: int) -> list[str]:
+    """One walk over DTensors of one global shape on three meshes of two ranks or more (the 2-D
+    mesh and its two 1-D submeshes, whose coordinates differ) in several placements, three of
+    each: every box must be torch's own for that tensor, every local tensor the DTensor's own
+    memory, and torch's computation run once per layout, not once per tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import _utils as dtensor_utils
+
+    from trainsnap.format.regions import Box
+    from trainsnap.state.capture import capture, targets
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(7 * 6, dtype=torch.float32).view(7, 6)  # uneven: 7 rows on 2 ranks
+    layouts = [
+        (mesh, (Shard(0), Shard(1))),
+        (mesh, (Shard(1), Shard(0))),
+        (mesh, (Replicate(), Shard(0))),
+        (mesh["dp"], (Shard(0),)),
+        (mesh["tp"], (Shard(0),)),
+        (mesh["tp"], (Shard(1),)),
+    ]
+    state = {
+        f"t{i}.{j}": distribute_tensor(full, m, list(p))
+        for i, (m, p) in enumerate(layouts)
+        for j in range(3)
+    }
+    expected = {}
+    for key, tensor in state.items():
+        sizes, offsets = dtensor_utils.compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        expected[key] = Box(tuple(offsets), tuple(sizes))
+    computed = 0
+    original = dtensor_utils.compute_local_shape_and_global_offset
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal computed
+        computed += 1
+        return original(*args, **kwargs)
+
+    dtensor_utils.compute_local_shape_and_global_offset = counting
+    problems = []
+    try:
+        for walk in (targets, capture):
+            computed = 0
+            items = walk(state).tensors
+            if computed != len(layouts):
+                problems.append(f"{walk.__name__}: {computed} computations, not {len(layouts)}")
+            for item in items:
+                if item.region != expected[item.key]:
+                    problems.append(f"{walk.__name__} {item.key}: {item.region}")
+                if item.local.data_ptr() != state[item.key].to_local().data_ptr():
+                    problems.append(f"{walk.__name__} {item.key}: not the local shard's memory")
+    finally:
+        dtensor_utils.compute_local_shape_and_global_offset = original
+    return problems
+
+
+def test_dtensor_boxes_are_torchs_own_computed_once_per_layout() -> None:
+    assert assert_all_ok(run_ranks(_boxes_of_layouts, world_size=4)) == [[]] * 4

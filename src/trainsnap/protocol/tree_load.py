@@ -38,6 +38,7 @@ from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Box
 from trainsnap.protocol.rank_load import rank_scoped, refuse_rank_bound
 from trainsnap.state.capture import (
+    DTensorBoxes,
     Exact,
     Sharded,
     Targets,
@@ -69,12 +70,13 @@ class _Planner:
         self.missing: list[str] = []
         self.problems: list[tuple[str, str]] = []
         self.stateful: list[Callable[[], None]] = []
+        self.boxes = DTensorBoxes()
 
     # -- leaves ------------------------------------------------------------------------------
 
     def _tensor_into(self, tmpl: Any, key: str) -> Realize:
         # Whether the snapshot holds this tensor is checked by rank_load.match, with the rest.
-        self.targets.tensors.append(leaf_item(key, tmpl))
+        self.targets.tensors.append(leaf_item(key, tmpl, self.boxes))
         return _SAME
 
     def _created_tensor(self, t: int, key: str) -> Realize:

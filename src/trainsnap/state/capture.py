@@ -199,16 +199,16 @@ def _join(prefix: str, key: object) -> str:
     return f"{prefix}.{part}" if prefix else part
 
 
-def leaf_item(key: str, leaf: torch.Tensor | Sharded) -> TensorItem:
+def leaf_item(key: str, leaf: torch.Tensor | Sharded, boxes: DTensorBoxes) -> TensorItem:
     """The entry of a tensor leaf (a tensor, a DTensor or a :class:`Sharded`)."""
     if isinstance(leaf, Sharded):
         return TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
-    return _leaf_tensor(key, leaf)
+    return _leaf_tensor(key, leaf, boxes)
 
 
-def _leaf_tensor(key: str, tensor: torch.Tensor) -> TensorItem:
+def _leaf_tensor(key: str, tensor: torch.Tensor, boxes: DTensorBoxes) -> TensorItem:
     if _is_dtensor(tensor):
-        return _dtensor_item(key, tensor)
+        return boxes.item(key, tensor)
     shape = tuple(tensor.shape)
     return TensorItem(key, tensor, shape, Box.full(shape))
 
@@ -227,25 +227,56 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return cls is not None and isinstance(tensor, cls)
 
 
-def _dtensor_item(key: str, tensor: Any) -> TensorItem:
-    """A DTensor's local shard as a box of its global tensor: ``Shard(d)``, ``Replicate()`` and
-    the ``_StridedShard`` of FSDP2 over tensor parallelism, in any mix, uneven shards included.
-    The box is torch's own (``compute_local_shape_and_global_offset``, as DCP uses)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+_Layout = tuple[int, tuple[int, ...], tuple[Any, ...]]
+"""(id of a device mesh, global shape, placements)."""
 
-    _check_placements(key, tensor.placements, tuple(tensor.device_mesh.shape))
-    shape = tuple(tensor.shape)
-    local = tensor.to_local()
-    sizes, offsets = compute_local_shape_and_global_offset(
-        shape, tensor.device_mesh, tensor.placements
-    )
-    if tuple(sizes) != tuple(local.shape):
-        raise InvalidArgumentError(
-            f"{key!r}: DTensor local shard has shape {tuple(local.shape)}, expected "
-            f"{tuple(sizes)} from its placements",
-            key=key,
-        )
-    return TensorItem(key, local, shape, Box(tuple(offsets), tuple(sizes)), declared=True)
+
+class DTensorBoxes:
+    """DTensor local shards as boxes of their global tensors, for one walk of a state.
+
+    ``Shard(d)``, ``Replicate()`` and the ``_StridedShard`` of FSDP2 over tensor parallelism, in
+    any mix, uneven shards included; the box is torch's own
+    (``compute_local_shape_and_global_offset``, as DCP uses). It is worked out once per mesh,
+    global shape and placements: a model's layers share a handful of layouts, and torch's
+    computation with the placement checks costs 70 us a tensor (13 ms a walk of 179 DTensors,
+    paid by a distributed load twice before its first read). The memo holds each mesh it keys
+    on, so that no mesh made and dropped during the walk can pass its id to another."""
+
+    def __init__(self) -> None:
+        self._memo: dict[_Layout, tuple[Any, Box]] = {}
+
+    def item(self, key: str, tensor: Any) -> TensorItem:
+        mesh, placements, shape = tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape)
+        layout: _Layout | None = (id(mesh), shape, placements)
+        try:
+            hit = self._memo.get(layout)  # type: ignore[arg-type]
+        except TypeError:  # a placement that cannot be hashed: not remembered
+            layout, hit = None, None
+        if hit is not None:
+            box = hit[1]
+        else:
+            box = self._box(key, mesh, placements, shape)
+            if layout is not None:
+                self._memo[layout] = (mesh, box)
+        # Without autograd, to_local is the local tensor itself, not a differentiable view (an
+        # autograd function call per tensor); loading fills it in place, saving reads it.
+        with torch.no_grad():
+            local = tensor.to_local()
+        if box.sizes != tuple(local.shape):
+            raise InvalidArgumentError(
+                f"{key!r}: DTensor local shard has shape {tuple(local.shape)}, expected "
+                f"{box.sizes} from its placements",
+                key=key,
+            )
+        return TensorItem(key, local, shape, box, declared=True)
+
+    @staticmethod
+    def _box(key: str, mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _check_placements(key, placements, tuple(mesh.shape))
+        sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+        return Box(tuple(offsets), tuple(sizes))
 
 
 def _check_placements(key: str, placements: Any, mesh_shape: tuple[int, ...]) -> None:
@@ -344,6 +375,7 @@ def capture(state: Any) -> Captured:
     _check_root(state)
     out = Captured()
     seen: set[str] = set()
+    boxes = DTensorBoxes()
 
     def visit(key: str, leaf: Any, _parent: Any, _idx: Any) -> None:
         if key in seen:
@@ -358,7 +390,7 @@ def capture(state: Any) -> Captured:
                 TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
             )
         elif isinstance(leaf, torch.Tensor):
-            out.tensors.append(_leaf_tensor(key, leaf))
+            out.tensors.append(_leaf_tensor(key, leaf, boxes))
             if not out.mesh and _is_dtensor(leaf):
                 out.mesh = mesh_of(leaf)
         else:
@@ -372,6 +404,7 @@ def targets(state: Any) -> Targets:
     """What loading must fill in ``state``."""
     _check_root(state)
     out = Targets()
+    boxes = DTensorBoxes()
 
     def visit(key: str, leaf: Any, parent: Any, idx: Any) -> None:
         if isinstance(leaf, Sharded):
@@ -379,7 +412,7 @@ def targets(state: Any) -> Targets:
                 TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
             )
         elif isinstance(leaf, torch.Tensor):
-            out.tensors.append(_leaf_tensor(key, leaf))
+            out.tensors.append(_leaf_tensor(key, leaf, boxes))
         else:
             if isinstance(parent, tuple):
                 raise InvalidArgumentError(
