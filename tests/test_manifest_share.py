@@ -154,26 +154,38 @@ def test_replicas_share_reads_in_groups_of_bounded_size_split_by_key() -> None:
     assert plan._sharing(0, wants, mode=0, local=False) == []
 
 
-def test_consecutive_classes_of_the_same_ranks_are_one_part_and_keep_the_tree_order() -> None:
-    """Replicas that want the same under every key (a reshard to fewer ranks) fetch one part,
-    not one a key; classes are bundled only while the ranks stay the same, in the tree's order,
-    so that a rank's parts sorted by their first key hold its keys in the tree's order."""
+def test_classes_of_the_same_ranks_are_one_part_and_merge_back_in_the_tree_order() -> None:
+    """One part per distinct set of ranks, not per class: replicas that want the same under
+    every key (a reshard to fewer ranks) fetch one part; ranks whose keys alternate between
+    shared ones and their own (a ZeRO slice, a tensor-parallel column slice) fetch two, and the
+    merge puts the keys back in the saved tree's and tables' order."""
     from trainsnap.protocol.manifest_share import _Plan
 
     position = {"a": 0, "b": 1, "c": 2, "d": 3}
     replicas = _Plan([(["a", "b", "c", "d"], "host")] * 3)  # type: ignore[arg-type]
     wants = {top: Wants((top,), {}) for top in position}
-    assert replicas._bundles(wants, position) == [(0, ["a", "b", "c", "d"])]
+    assert replicas._bundles(wants, position) == [["a", "b", "c", "d"]]
 
     # "b" is each rank's own (a ZeRO slice); "a" and "c", "d" are shared.
     said = [(["a", f"b{r}", "c", "d"], "host") for r in range(2)]
     zero = _Plan(said)  # type: ignore[arg-type]
     wants = {d: Wants((d[0],), {}) for d in zero.members}
-    bundles = zero._bundles(wants, position)
-    assert bundles == [(0, ["a"]), (1, ["b0"]), (1, ["b1"]), (2, ["c", "d"])]
-    for rank in range(2):  # each rank's digests are covered by its bundles, in the tree's order
-        mine = [b for b in bundles if rank in zero.members[b[1][0]]]
-        assert [d for _, names in mine for d in names] == said[rank][0]
+    assert zero._bundles(wants, position) == [["a", "c", "d"], ["b0"], ["b1"]]
+
+    # Merged from parts cut that way, in any order, a rank's manifest is in the saved order.
+    m = _manifest()  # top-level keys w (w.big, w.mine), cfg, other
+    index = PartIndex(m)
+    shared = index.shared(Wants(("w", "other"), {}))
+    own = index.shared(Wants(("cfg",), {}))
+    mine = index.own([Wants(("w",), {}), Wants(("cfg",), {})], 1)
+    for parts in ([shared, own, mine], [mine, own, shared], [own, mine, shared]):
+        merged = merge(parts)
+        assert _entries(merged) == [("w.big", -1, 4), ("w.mine", 1, 1), ("other", -1, 1)]
+        assert list(zip(merged.value_keys, merged.value_ranks.tolist(), strict=True)) == [
+            ("cfg.lr", -1),
+            ("cfg.rank", 1),
+        ]
+        assert [k for k, _ in merged.tree["d"]] == ["w", "cfg", "other"]
 
 
 # -- four real ranks ------------------------------------------------------------------------------

@@ -113,6 +113,10 @@ class Manifest:
     whole_nbytes: int | None = None
     """Set on a part of a manifest handed to some ranks (:mod:`trainsnap.format.manifest_part`):
     the whole snapshot's stored bytes. Not encoded."""
+    whole_rows: tuple[list[int], list[int], list[int]] | None = None
+    """Set on a part: where its tensors, its values and its tree's top-level items are in the
+    whole manifest (rows, rows, positions), so that merged parts keep the saved order. Not
+    encoded."""
     # objects
     object_names: list[str] = field(default_factory=list)
     object_sizes: I64 = field(default_factory=lambda: np.zeros(0, np.int64))

@@ -69,16 +69,12 @@ class PartIndex:
             [(t, wants.regions) for t in self._tensors.global_rows(wants.tops)],
             self._values.global_rows(wants.tops),
         )
-        part.tree = self._tree_part(wants.tops)
+        at = sorted({i for top in set(wants.tops) for i in self._at.get(top, ())})
+        if self.m.tree is not None:  # the saved tree's items under ``tops``, in its order
+            part.tree = tree.mapping(tree.kind(self.m.tree), [self._items[i] for i in at])
+            assert part.whole_rows is not None
+            part.whole_rows[2].extend(at)
         return part
-
-    def _tree_part(self, tops: Sequence[str]) -> Any:
-        """The saved tree's top-level keys among ``tops``, in its order (None stays None: no
-        tree saved); costs ``tops``, not the tree."""
-        if self.m.tree is None:
-            return None
-        at = sorted({i for top in set(tops) for i in self._at.get(top, ())})
-        return tree.mapping(tree.kind(self.m.tree), [self._items[i] for i in at])
 
     def own(self, wants: Sequence[Wants], rank: int) -> Manifest:
         """Rank ``rank``'s per-rank entries under the keys of its ``wants`` (the lowest rank's
@@ -109,40 +105,46 @@ class PartIndex:
             builder.add_value(m.value_keys[v], int(m.value_ranks[v]), m.value_codecs[v], chunks)
         part = builder.build()
         part.whole_nbytes = m.nbytes
+        part.whole_rows = ([t for t, _ in tensors], list(values), [])
         return part
 
 
 def merge(parts: Sequence[Manifest]) -> Manifest:
-    """One manifest of a rank's ``parts`` (from one snapshot), for its planning: their entries
-    and objects (each object once), and their trees' top-level keys in the order of ``parts``."""
+    """One manifest of a rank's ``parts`` (from one snapshot, cut by :class:`PartIndex`), for
+    its planning: their entries and objects (each object once), and their trees' top-level
+    keys, all in the whole manifest's order, whatever the order of ``parts``."""
     if len(parts) == 1:
         return parts[0]
+    rows = [m.whole_rows for m in parts]
+    assert all(r is not None for r in rows), "parts are cut by PartIndex"
     first = parts[0]
     builder = ManifestBuilder(**_header(first))
     objects = _Objects(builder)
-    for m in parts:
-        ss = m.shard_start()
-        for t, key in enumerate(m.tensor_keys):
-            shape = m.tensor_shapes[t]
-            new = builder.add_tensor(key, int(m.tensor_ranks[t]), m.tensor_dtypes[t], shape)
-            for s in range(int(ss[t]), int(ss[t + 1])):
-                builder.add_shard(new, m.shard_region(s, shape), objects.chunks(m, s))
-        base = m.value_chunk_base()
-        for v, key in enumerate(m.value_keys):
-            chunks = objects.chunks(m, base + v)
-            builder.add_value(key, int(m.value_ranks[v]), m.value_codecs[v], chunks)
+    for _, p, t in sorted(_order(rows, 0)):
+        m = parts[p]
+        ss, shape, key = m.shard_start(), m.tensor_shapes[t], m.tensor_keys[t]
+        new = builder.add_tensor(key, int(m.tensor_ranks[t]), m.tensor_dtypes[t], shape)
+        for s in range(int(ss[t]), int(ss[t + 1])):
+            builder.add_shard(new, m.shard_region(s, shape), objects.chunks(m, s))
+    for _, p, v in sorted(_order(rows, 1)):
+        m = parts[p]
+        chunks = objects.chunks(m, m.value_chunk_base() + v)
+        builder.add_value(m.value_keys[v], int(m.value_ranks[v]), m.value_codecs[v], chunks)
     merged = builder.build()
     merged.whole_nbytes = first.nbytes
-    merged.tree = _merged_tree([m.tree for m in parts])
+    trees = [(p, m.tree) for p, m in enumerate(parts) if m.tree is not None]
+    if trees:
+        items = {p: tree.items(t) for p, t in trees}
+        merged.tree = tree.mapping(
+            tree.kind(trees[0][1]), [items[p][i] for _, p, i in sorted(_order(rows, 2))]
+        )
     return merged
 
 
-def _merged_tree(trees: Sequence[Any]) -> Any:
-    """The top-level items of ``trees`` in one container, in order."""
-    found = [t for t in trees if t is not None]
-    if not found:
-        return None
-    return tree.mapping(tree.kind(found[0]), [pair for t in found for pair in tree.items(t)])
+def _order(rows: Sequence[Any], what: int) -> list[tuple[int, int, int]]:
+    """(row in the whole manifest, part, row in the part) of every tensor (``what`` 0), value
+    (1) or top-level tree item (2) of the parts."""
+    return [(row, p, i) for p, r in enumerate(rows) for i, row in enumerate(r[what])]
 
 
 def tree_order(root: Any) -> list[str]:

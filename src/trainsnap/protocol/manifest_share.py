@@ -13,12 +13,14 @@ never touches. Instead, on a load of more than one rank:
 3. (all ranks) the speakers send those classes' wants: the coordinator takes in each distinct
    wants once, not once per rank.
 4. (coordinator) open the snapshot -- marker, manifest checksum, validation, the only read of the
-   manifest in the job -- cut one shared part per class and publish it once in the store; send
-   each rank its own part (its per-rank entries) and with whom it shares reads, or why there are
-   no parts (the same error then stops every rank).
-5. (all ranks) fetch their classes' parts and merge them with their own
-   (:func:`trainsnap.format.manifest_part.merge`): a rank's metadata is its own pieces, not the
-   world's, and the coordinator's work is one cut per distinct wants plus one small one per rank.
+   manifest in the job -- cut one shared part per distinct set of ranks (the classes those ranks
+   have in common, :meth:`_Plan._bundles`) and publish it once in the store; send each rank its
+   own part (its per-rank entries) and with whom it shares reads, or why there are no parts (the
+   same error then stops every rank).
+5. (all ranks) fetch their parts and merge them with their own
+   (:func:`trainsnap.format.manifest_part.merge`, in the saved order): a rank's metadata is its
+   own pieces, not the world's, and the coordinator's work is one cut per distinct set of ranks
+   plus one small one per rank.
 
 A failure on the coordinator at any step is sent in the decision the ranks wait for, so no rank
 waits for an exchange that will not come; a rank that dies is named by the heartbeat.
@@ -128,8 +130,7 @@ def manifest_for(
     own, sharing, share, shared, names = _scatter(session, "manifest-parts", comm, error, sent)
     if shared is None:  # not the coordinator: fetch what it published
         shared = [session.fetch("manifest-part", name) for name in names]
-    parts = [part for _, part in sorted(shared, key=lambda entry: entry[0])]
-    return merge(parts if own is None else [*parts, own]), sharing, share
+    return merge(shared if own is None else [*shared, own]), sharing, share
 
 
 def _joined(classes: list[Wants]) -> Wants:
@@ -189,17 +190,14 @@ class _Plan:
         index = PartIndex(manifest)
         wants = {digest: w for said in heard for digest, w in (said or ())}
         position = {top: i for i, top in enumerate(tree_order(manifest.tree))}
-        coordinator: dict[str, tuple[int, Manifest]] = {}
+        coordinator: dict[str, Manifest] = {}
         bundle_of: dict[str, str] = {}
-        for at, bundle in self._bundles(wants, position):
+        for bundle in self._bundles(wants, position):
             name, ranks = bundle[0], self.members[bundle[0]]
-            if name == WHOLE:
-                entry = (0, manifest)
-            else:
-                entry = (at, index.shared(_joined([wants[d] for d in bundle])))
-            session.publish("manifest-part", name, entry, sum(r != comm.rank for r in ranks))
+            part = manifest if name == WHOLE else index.shared(_joined([wants[d] for d in bundle]))
+            session.publish("manifest-part", name, part, sum(r != comm.rank for r in ranks))
             if comm.rank in ranks:
-                coordinator[name] = entry
+                coordinator[name] = part
             bundle_of.update(dict.fromkeys(bundle, name))
         mode = replica_reads.mode(comm.world_size)
         sharing = [self._sharing(rank, wants, mode, local) for rank in range(len(self.digests))]
@@ -213,30 +211,23 @@ class _Plan:
             out.append([own, sharing[rank], share, mine, names])
         return out
 
-    def _bundles(
-        self, wants: Mapping[str, Wants], position: Mapping[str, int]
-    ) -> list[tuple[int, list[str]]]:
-        """The classes in the saved tree's order, bundled where consecutive ones have the same
-        ranks (a reshard's replicas, which want the same under every key): one part is
-        published and fetched per bundle, not per class. Consecutive only, so that a rank's
-        parts, in the order of their first key, still hold the tree's keys in its order.
-        Each: (position of its first key, its classes' digests)."""
+    def _bundles(self, wants: Mapping[str, Wants], position: Mapping[str, int]) -> list[list[str]]:
+        """The classes bundled by their ranks: one part is published and fetched per distinct
+        set of ranks, not per class. Replicas that want the same under every key (a reshard to
+        fewer ranks) fetch one part; a tensor-parallel rank whose layers alternate between
+        keys every rank shares (norms) and keys only its replicas share (its column slices)
+        fetches two, not two per layer (the merge puts the keys back in the saved order).
+        Each bundle: its classes' digests, in the tree's order; the bundles in the order of
+        their first keys."""
 
         def first(digest: str) -> int:
             tops = wants[digest].tops
             return min((position.get(top, len(position)) for top in tops), default=0)
 
-        ordered = sorted((first(d), d) for d in self.members if d != WHOLE)
-        out: list[tuple[int, list[str]]] = [(0, [WHOLE])] if WHOLE in self.members else []
-        previous: list[int] | None = None
-        for at, digest in ordered:
-            ranks = self.members[digest]
-            if ranks == previous:
-                out[-1][1].append(digest)
-            else:
-                out.append((at, [digest]))
-            previous = ranks
-        return out
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for _, digest in sorted((first(d), d) for d in self.members if d != WHOLE):
+            by_ranks.setdefault(tuple(self.members[digest]), []).append(digest)
+        return ([[WHOLE]] if WHOLE in self.members else []) + list(by_ranks.values())
 
     def _sharing(self, rank: int, wants: Mapping[str, Wants], mode: int, local: bool) -> Sharing:
         """With whom ``rank`` shares reads, by top-level key: the ranks of each of its classes
