@@ -24,7 +24,8 @@ from trainsnap.storage.posix import PosixStorage
 from trainsnap.testing import assert_all_ok, run_ranks
 
 ROWS = 40
-WIDE, NARROW = 4096, 64  # float32 columns: 4 KiB rows per saved quarter, and 64-byte ones
+# float32 columns: rows of 16 KiB, 4 KiB and 64 bytes per saved quarter
+WIDER, WIDE, NARROW = 16384, 4096, 64
 # Blocks that do not divide a row, chunks of a few blocks: pieces start and end mid-block.
 ENV = {"TRAINSNAP_BLOCK_SIZE": str(12352), "TRAINSNAP_CHUNK_SIZE": str(12352 * 5)}
 
@@ -35,7 +36,7 @@ def _full(columns: int, seed: int) -> torch.Tensor:
 
 def _save_quarters(rank: int, world: int, root: str) -> None:
     state = {}
-    for name, columns, seed in (("wide", WIDE, 1), ("narrow", NARROW, 2)):
+    for name, columns, seed in (("wide", WIDE, 1), ("narrow", NARROW, 2), ("wider", WIDER, 3)):
         width = columns // world
         local = _full(columns, seed)[:, rank * width : (rank + 1) * width].clone()
         state[name] = ts.Sharded(local, global_shape=(ROWS, columns), offsets=(0, rank * width))
@@ -50,21 +51,61 @@ def column_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_column_quarters_land_in_their_rows_with_no_bounce_copy(column_root, monkeypatch):
-    copied: list[tuple[int, ...]] = []
-    real_copy = rank_load._strided_copy
+def test_column_quarters_land_in_their_rows_in_place_or_through_small_windows(
+    column_root, monkeypatch
+):
+    """Rows of 16 KiB or more are read straight into place; shorter ones a window at a time
+    (verified, then copied from the cache): never through a bounce buffer the size of the piece,
+    never with the strided copy of a whole piece."""
+    from trainsnap.engine.buffers import BouncePool, Rows
 
-    def spy(buf, part, low, work):  # type: ignore[no-untyped-def]
-        copied.append(tuple(work.shape))
-        real_copy(buf, part, low, work)
+    filled: set[int] = set()
+    asked: list[int] = []
+    copied: list[object] = []
+    real_fill, real_buffer = Rows.fill, BouncePool.buffer
 
-    monkeypatch.setattr(rank_load, "_strided_copy", spy)
-    dest = {"wide": torch.zeros(ROWS, WIDE), "narrow": torch.zeros(ROWS, NARROW)}
+    def fill(self, start, data):  # type: ignore[no-untyped-def]
+        filled.add(self.out.data_ptr())
+        real_fill(self, start, data)
+
+    def buffer(self, nbytes):  # type: ignore[no-untyped-def]
+        asked.append(nbytes)
+        return real_buffer(self, nbytes)
+
+    monkeypatch.setattr(Rows, "fill", fill)
+    monkeypatch.setattr(BouncePool, "buffer", buffer)
+    monkeypatch.setattr(rank_load, "_strided_copy", lambda *a: copied.append(a))
+    dest = {name: torch.zeros(ROWS, n) for name, n in (("wide", WIDE), ("narrow", NARROW))}
+    dest["wider"] = torch.zeros(ROWS, WIDER)
     ts.load(dest, column_root)
-    assert torch.equal(dest["wide"], _full(WIDE, 1))
-    assert torch.equal(dest["narrow"], _full(NARROW, 2))
-    # 4 KiB rows are read into place; 64-byte rows still go through the bounce buffer.
-    assert copied and all(shape == (ROWS, NARROW) for shape in copied)
+    for name, columns, seed in (("wide", WIDE, 1), ("narrow", NARROW, 2), ("wider", WIDER, 3)):
+        assert torch.equal(dest[name], _full(columns, seed)), name
+    assert filled == {dest["wide"].data_ptr(), dest["narrow"].data_ptr()}
+    assert copied == []
+    window = max(rank_load._WINDOW, int(ENV["TRAINSNAP_BLOCK_SIZE"]))
+    assert asked and set(asked) == {window}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_fill_a_strided_box_from_windows_cut_anywhere(seed: int) -> None:
+    """Source bytes of a 3-D box of a bigger tensor, in row-major order, arriving in windows cut
+    at random (elements and rows straddle them): each byte lands where its element belongs."""
+    from trainsnap.engine.buffers import Rows, raw_bytes
+
+    rng = random.Random(seed)
+    dtype = (torch.float32, torch.bfloat16, torch.float64)[seed % 3]
+    whole = torch.zeros(5, 7, 9, dtype=dtype)
+    box = (slice(1, 4), slice(2, 7), slice(3, 8))
+    source = torch.randn(3, 5, 5, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    data = memoryview(source.contiguous().view(torch.uint8).numpy()).cast("B")
+    offset = 1 * 63 + 2 * 9 + 3
+    rows = Rows((3, 5, 5), whole.stride(), offset, whole.element_size(), raw_bytes(whole))
+    cuts = sorted(rng.sample(range(1, len(data)), 9))
+    for lo, hi in itertools.pairwise([0, *cuts, len(data)]):
+        rows.fill(lo, data[lo:hi])
+    expected = torch.zeros_like(whole)
+    expected[box] = source
+    assert torch.equal(whole, expected)
 
 
 def test_half_of_the_rows_of_the_columns(column_root):
@@ -74,19 +115,20 @@ def test_half_of_the_rows_of_the_columns(column_root):
     assert torch.equal(dst, _full(WIDE, 1)[10:30])
 
 
-def test_a_corrupt_block_under_a_column_piece_fails_the_load(column_root, tmp_path):
+@pytest.mark.parametrize("key", ["wider", "wide", "narrow"])  # in place, windows, windows
+def test_a_corrupt_block_under_a_column_piece_fails_the_load(column_root, tmp_path, key):
     import shutil
 
     root = tmp_path / "copy"
     shutil.copytree(column_root, root)
-    objects = sorted(p for p in (root / "objects").rglob("*") if p.is_file())
-    largest = max(objects, key=lambda p: p.stat().st_size)
-    data = bytearray(largest.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    largest.chmod(0o644)
-    largest.write_bytes(bytes(data))
+    for path in (p for p in (root / "objects").rglob("*") if p.is_file()):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+    columns = {"wider": WIDER, "wide": WIDE, "narrow": NARROW}[key]
     with pytest.raises(ts.CorruptError, match="fails its checksum"):
-        ts.load({"wide": torch.zeros(ROWS, WIDE), "narrow": torch.zeros(ROWS, NARROW)}, root)
+        ts.load({key: torch.zeros(ROWS, columns)}, root)
 
 
 def test_read_steps_fills_scatter_lists_in_order_and_stops_when_told(tmp_path):

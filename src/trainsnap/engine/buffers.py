@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from trainsnap.format.regions import flat_to_boxes
+
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (writable if the tensor is).
@@ -84,6 +86,41 @@ class Parts:
         head = first[first_lo:] if first_lo else first
         tail = last if last_hi == len(last) else last[:last_hi]
         return [head, *bufs[i + 1 : j], tail]
+
+
+class Rows:
+    """Destination bytes laid out as a strided box (a column slice of a tensor), filled from
+    its source bytes in row-major order, in windows cut anywhere (an element may straddle two).
+
+    ``sizes``, ``strides`` and ``offset`` are in elements of ``itemsize`` bytes, the last
+    stride 1; each window is copied with at most ``2 * len(sizes) - 1`` strided copies."""
+
+    def __init__(
+        self,
+        sizes: tuple[int, ...],
+        strides: tuple[int, ...],
+        offset: int,
+        itemsize: int,
+        out: memoryview,
+    ) -> None:
+        assert sizes and strides[-1] == 1, "rows are contiguous"
+        self.sizes = (*sizes[:-1], sizes[-1] * itemsize)
+        self.strides = (*(s * itemsize for s in strides[:-1]), 1)
+        self.base = offset * itemsize
+        row_major = [1] * len(self.sizes)
+        for i in range(len(self.sizes) - 2, -1, -1):
+            row_major[i] = row_major[i + 1] * self.sizes[i + 1]
+        self.row_major = row_major
+        self.out = torch.frombuffer(out, dtype=torch.uint8)
+
+    def fill(self, start: int, data: memoryview) -> None:
+        """Copy ``data``, source bytes ``[start, start + len(data))``, into place."""
+        src = torch.frombuffer(data, dtype=torch.uint8)
+        for box in flat_to_boxes(start, start + len(data), self.sizes):
+            at = sum(o * r for o, r in zip(box.offsets, self.row_major, strict=True)) - start
+            dst = self.base + sum(o * s for o, s in zip(box.offsets, self.strides, strict=True))
+            piece = src[at : at + box.numel].view(box.sizes)
+            self.out.as_strided(box.sizes, self.strides, dst).copy_(piece)
 
 
 def scatter_copy(source: memoryview, parts: list[memoryview]) -> None:
@@ -170,7 +207,7 @@ class BouncePool:
         while self._free and self.mapped + size > self.limit:
             old = self._free.pop()  # the largest that does not fit
             self.mapped -= len(old)
-            old.close()
+            _unmap(old)
         self.mapped += size
         self.maps += 1
         return _map(size)
@@ -179,5 +216,12 @@ class BouncePool:
         with self._cv:
             for region in self._free:
                 self.mapped -= len(region)
-                region.close()
+                _unmap(region)
             self._free.clear()
+
+
+def _unmap(region: mmap.mmap) -> None:
+    """Unmap ``region`` now, or when the last view of it dies: a read that failed leaves views
+    in the frames of the error being raised, and the load must raise that error, not this."""
+    with contextlib.suppress(BufferError):
+        region.close()

@@ -216,6 +216,39 @@ class Reader:
             for start, stop, parts in segments:
                 scatter_copy(buf[start - lo : stop - lo], parts)
 
+    def read_payload_windows(
+        self,
+        owner: int,
+        start: int,
+        stop: int,
+        window: memoryview,
+        key: str,
+        deliver: Callable[[int, memoryview], None],
+    ) -> None:
+        """Bytes ``[start, stop)`` of a payload, a window at a time: the stored blocks a window
+        covers are read once into ``window`` (whole blocks: at most a block more than asked at
+        each end of the range), each verified as it lands, and ``deliver(payload offset, bytes)``
+        is handed the window's part of the range (valid only during the call) while it is still
+        in the processor's cache."""
+        bs = self.m.block_size
+        span = max(bs, len(window) // bs * bs)
+        for o, oo, po, n in self.payload_runs(owner, start, stop):
+            if self.m.compressed(o):
+                decoded = memoryview(bytearray(n))
+                self.read_object(o, oo, oo + n, decoded, key)
+                deliver(po, decoded)
+                continue
+            size = int(self.m.object_sizes[o])
+            pos, end = oo, oo + n
+            while pos < end:
+                lo = pos // bs * bs
+                hi = min(size, lo + span, -(-end // bs) * bs)
+                view = window[: hi - lo]
+                self._stream_blocks(o, lo // bs, lo, [view], key)
+                top = min(end, hi)
+                deliver(po + pos - oo, view[pos - lo : top - lo])
+                pos = top
+
     def payload_runs(self, owner: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """Where bytes ``[start, stop)`` of a payload (shard or value row) live:
         (object, object offset, payload offset, length) per chunk touched."""
