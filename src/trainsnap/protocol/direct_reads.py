@@ -100,6 +100,12 @@ def whole_reads(
     reads = []
     c = 0
     for (out, _, key), n in zip(wholes, counts.tolist(), strict=True):
+        if n == 1:  # most tensors: one chunk, the whole destination
+            o, offset, length = objects[c], offsets[c], lengths[c]
+            part = out if length == len(out) else out[:length]
+            reads.append(DirectRead(o, offset, offset + length, [part], key))
+            c += 1
+            continue
         pos = 0
         for o, offset, length in zip(
             objects[c : c + n], offsets[c : c + n], lengths[c : c + n], strict=True

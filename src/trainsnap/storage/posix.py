@@ -30,6 +30,8 @@ from trainsnap.storage.base import (
 )
 
 _HAS_PREADV = hasattr(os, "preadv")
+_READ_PATHS = 1 << 16
+"""Checked read paths a root keeps (then starts again)."""
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -50,6 +52,7 @@ class PosixStorage:
         self._deferring = 0
         self._pending_dirs: set[Path] = set()
         self._checked_dirs: set[Path] = set()
+        self._read_paths: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.url!r})"
@@ -59,6 +62,20 @@ class PosixStorage:
         link (a read, write or delete through it would land outside the root)."""
         path = self.root / check_key(key)
         self._check_dirs(path.parent)
+        return path
+
+    def _read_path(self, key: str) -> str:
+        """:meth:`_path` of a key to read, kept once checked: a load opens each object several
+        times from its I/O threads, and the checks cost 17 us of Python a call (their
+        directories' checks are kept anyway; the last component is opened without following a
+        link)."""
+        path = self._read_paths.get(key)
+        if path is None:
+            path = str(self._path(key))
+            with self._lock:
+                if len(self._read_paths) >= _READ_PATHS:
+                    self._read_paths.clear()
+                self._read_paths[key] = path
         return path
 
     def _check_dirs(self, directory: Path) -> None:
@@ -78,7 +95,7 @@ class PosixStorage:
             with self._lock:
                 self._checked_dirs.add(directory)
 
-    def _open_object(self, path: Path) -> int:
+    def _open_object(self, path: str | Path) -> int:
         """A descriptor of the regular file at ``path``, opened without following a link."""
         try:
             fd = os.open(path, _O_READ)
@@ -232,7 +249,7 @@ class PosixStorage:
         return data
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
-        path = self._path(key)
+        path = self._read_path(key)
         fd = self._open_object(path)
         try:
             _read_all(fd, [out], start, path)
@@ -242,7 +259,7 @@ class PosixStorage:
     def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
         """One descriptor, one ``preadv`` per step (a scatter list straight into the caller's
         buffers), ``done(i)`` between steps (see :func:`trainsnap.storage.base.read_steps`)."""
-        path = self._path(key)
+        path = self._read_path(key)
         fd = self._open_object(path)
         try:
             if _HAS_FADVISE and len(steps) > 1:
@@ -311,7 +328,7 @@ def _split_at(bufs: list[memoryview], count: int) -> tuple[list[memoryview], lis
     return first, []
 
 
-def _read_all(fd: int, buffers: Sequence[memoryview], pos: int, path: Path) -> int:
+def _read_all(fd: int, buffers: Sequence[memoryview], pos: int, path: str | Path) -> int:
     """Fill ``buffers`` with the bytes of ``fd`` from ``pos`` on; the position after them."""
     pending = [b for b in buffers if len(b)]
     first = 0
