@@ -100,17 +100,12 @@ def whole_reads(
     reads = []
     c = 0
     for (out, _, key), n in zip(wholes, counts.tolist(), strict=True):
-        if n == 1:  # most tensors: one chunk, the whole destination
-            o, offset, length = objects[c], offsets[c], lengths[c]
-            part = out if length == len(out) else out[:length]
-            reads.append(DirectRead(o, offset, offset + length, [part], key))
-            c += 1
-            continue
         pos = 0
-        for o, offset, length in zip(
-            objects[c : c + n], offsets[c : c + n], lengths[c : c + n], strict=True
-        ):
-            reads.append(DirectRead(o, offset, offset + length, [out[pos : pos + length]], key))
+        for j in range(c, c + n):
+            offset, length = offsets[j], lengths[j]
+            # most tensors are one chunk: the destination as it is, not a slice of it
+            part = out if length == len(out) else out[pos : pos + length]
+            reads.append(DirectRead(objects[j], offset, offset + length, [part], key))
             pos += length
         c += n
     return reads
