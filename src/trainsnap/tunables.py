@@ -33,6 +33,11 @@ class Tunables:
     read_budget: int = 256 * MiB
     """Most host memory a load holds in bounce buffers at once (strided pieces, devices)."""
 
+    direct_reads: int = 1
+    """1: a load reads the column pieces it copies from bounce windows straight from the device
+    (``O_DIRECT``) when none of their bytes is in the page cache and the root's file system
+    allows it; 0: always through the page cache."""
+
     replica_reads: int = 1
     """Ranks that need the same bytes (data-parallel replicas) split the reads and send each
     other what they read (:mod:`trainsnap.protocol.replica_reads`): 1 where it helps (an object

@@ -12,12 +12,18 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from trainsnap import faults
+from trainsnap import faults, tunables
 from trainsnap.engine.buffers import BouncePool, Parts, scatter_copy
 from trainsnap.errors import CorruptError
 from trainsnap.format import compression
 from trainsnap.format.manifest import Manifest, object_key
-from trainsnap.storage.base import NotRegularFileError, ShortReadError, Storage, read_steps
+from trainsnap.storage.base import (
+    NotRegularFileError,
+    ShortReadError,
+    Storage,
+    read_steps,
+    read_uncached,
+)
 
 
 class Reader:
@@ -31,6 +37,7 @@ class Reader:
         self._chunk_pos: dict[int, list[int]] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._direct = tunables.get().direct_reads > 0 and manifest.block_size % 4096 == 0
 
     def _block(self) -> memoryview:
         buf = getattr(self._scratch, "buf", None)
@@ -193,6 +200,24 @@ class Reader:
         with self._lock:
             self.bytes_read += total
 
+    def _read_uncached(self, obj: int, start: int, window: memoryview, n: int, key: str) -> bool:
+        """Blocks from byte ``start`` (``n`` bytes) into ``window`` straight from the device
+        when none is cached (:func:`~trainsnap.storage.base.read_uncached`), then verified;
+        False, with nothing read, where the storage cannot. The window is a bounce buffer
+        either way, so this costs no extra copy, and saves the kernel's copy and its page-cache
+        work (the bytes land in memory, not in the cache, so they are hashed from memory)."""
+        if not self._direct:
+            return False
+        with self._reading(obj, key):
+            if not read_uncached(
+                self.storage, object_key(self.m.object_names[obj]), start, window, n
+            ):
+                return False
+        self._check(obj, start // self.m.block_size, window[:n], key)
+        with self._lock:
+            self.bytes_read += n
+        return True
+
     def read_scatter(
         self,
         obj: int,
@@ -229,7 +254,8 @@ class Reader:
         covers are read once into ``window`` (whole blocks: at most a block more than asked at
         each end of the range), each verified as it lands, and ``deliver(payload offset, bytes)``
         is handed the window's part of the range (valid only during the call) while it is still
-        in the processor's cache."""
+        in the processor's cache. A window none of whose bytes is cached comes straight from the
+        device when the storage can (:meth:`_read_uncached`)."""
         bs = self.m.block_size
         span = max(bs, len(window) // bs * bs)
         for o, oo, po, n in self.payload_runs(owner, start, stop):
@@ -244,7 +270,8 @@ class Reader:
                 lo = pos // bs * bs
                 hi = min(size, lo + span, -(-end // bs) * bs)
                 view = window[: hi - lo]
-                self._stream_blocks(o, lo // bs, lo, [view], key)
+                if not self._read_uncached(o, lo, window, hi - lo, key):
+                    self._stream_blocks(o, lo // bs, lo, [view], key)
                 top = min(end, hi)
                 deliver(po + pos - oo, view[pos - lo : top - lo])
                 pos = top

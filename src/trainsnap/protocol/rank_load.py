@@ -177,7 +177,8 @@ and 4 KiB rows (900 MiB a rank, cold): 0.813 s through windows, 0.867 s before (
 alternating)."""
 
 _WINDOW = 2 << 20
-"""Bytes of a short-row piece read, verified and copied at a time (whole blocks)."""
+"""Bytes of a short-row piece read, verified and copied at a time (whole blocks; a window none of
+whose bytes is cached comes straight from the device: see ``Reader.read_payload_windows``)."""
 
 
 def _strided_copy(buf: memoryview, part: Piece, low: int, work: torch.Tensor) -> None:

@@ -149,3 +149,12 @@ def read_steps(
             pos += len(b)
     for i in range(len(steps)):
         done(i)
+
+
+def read_uncached(storage: Storage, key: str, start: int, out: memoryview, length: int) -> bool:
+    """Read bytes ``[start, start + length)`` of ``key`` into ``out`` past the page cache, where
+    the backend can (a ``read_uncached`` method of this signature) and none of those bytes is
+    cached; False, with nothing read, otherwise: the caller then reads as usual. ``out`` may be
+    longer than ``length`` (a direct read fills whole device blocks)."""
+    native = getattr(storage, "read_uncached", None)
+    return bool(native is not None and native(key, start, out, length))

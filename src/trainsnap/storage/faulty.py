@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainsnap.storage.base import Buffer, Steps, Storage, as_buffers, read_steps
+from trainsnap.storage.base import (
+    Buffer,
+    Steps,
+    Storage,
+    as_buffers,
+    read_steps,
+    read_uncached,
+)
 
 
 @dataclass(slots=True)
@@ -151,6 +158,10 @@ class FaultyStorage:
     def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
         self._before(f"read {key}")
         read_steps(self.inner, key, start, steps, done)
+
+    def read_uncached(self, key: str, start: int, out: memoryview, length: int) -> bool:
+        self._before(f"read {key}")
+        return read_uncached(self.inner, key, start, out, length)
 
     def stat(self, key: str) -> int:
         self._before(f"stat {key}")

@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from trainsnap.storage.base import Buffer, ShortReadError, Steps, Storage, read_steps
+from trainsnap.storage.base import (
+    Buffer,
+    ShortReadError,
+    Steps,
+    Storage,
+    read_steps,
+    read_uncached,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +113,9 @@ class RetryingStorage:
     def read_steps(self, key: str, start: int, steps: Steps, done: Callable[[int], None]) -> None:
         """A retried read fills every step again (``done`` sees each step again)."""
         self._call(f"read {key}", lambda: read_steps(self.inner, key, start, steps, done))
+
+    def read_uncached(self, key: str, start: int, out: memoryview, length: int) -> bool:
+        return self._call(f"read {key}", lambda: read_uncached(self.inner, key, start, out, length))
 
     def stat(self, key: str) -> int:
         return self._call(f"stat {key}", lambda: self.inner.stat(key))
