@@ -21,11 +21,14 @@ Three parts, all in one default run:
    ones), alternating methods, evicted before each load, checked once.
 
    **The limit** of both loads (``raw`` in the output): in each repetition, among the loads (the
-   three take turns at going first, second and third), the byte ranges of trainsnap's object
+   methods take turns at going first, second and so on), the byte ranges of trainsnap's object
    files that this rank's ``ts.load`` reads (found with trainsnap's own load planner, merged,
    cut at 32 MiB) are read, evicted first, with
    ``preadv`` into one preallocated buffer on the same number of threads, with no checksums and
    no placement: what the disk and the page cache allow for the same bytes on the same ranks.
+   Part 2 has a second limit, ``raw_direct``, where the file system takes ``O_DIRECT``: the same
+   ranges, widened to whole pages, read past the page cache (trainsnap reads the column pieces it
+   copies from bounce windows that way when they are not cached).
 3. **Planner simulation** (no processes, no data): ``benchmarks.planner_sim``, 4,096 ranks.
 
 Methods (``benchmarks._framework.adapters`` and ``.raw``):
@@ -70,7 +73,7 @@ from benchmarks._framework.method import (
     rotated,
     timed,
 )
-from benchmarks._framework.raw import RawLimit, trainsnap_read_ranges
+from benchmarks._framework.raw import RawLimit, direct_io_works, trainsnap_read_ranges
 from benchmarks._framework.report import Check, Ratio, Target, compare, emit, facts, verdicts
 from benchmarks._framework.sharded_state import (
     Spec,
@@ -95,6 +98,8 @@ warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 
 # trainsnap time / DCP time, at most.
 IO_TARGETS: dict[str, float] = {"save": 1.0, "load": 0.5, "reshard_load": 0.5}
+RAW_DIRECT = "raw_direct"
+"""The reshard's second limit: the same byte ranges read past the page cache (``O_DIRECT``)."""
 SMOKE = {"gib": 0.01, "reps": 1, "warmup": 0, **planner_sim.SMOKE}
 
 
@@ -136,7 +141,10 @@ def _mesh(dp: int, tp: int) -> Any:
 def _methods(rank: int, config: dict[str, Any], same_world: bool) -> list[Method]:
     ranges = functools.partial(trainsnap_read_ranges, rank=rank, same_world=same_world)
     threads = config["threads"]
-    return [Trainsnap(), Dcp(threads, distributed=True), RawLimit(threads, ranges=ranges)]
+    methods = [Trainsnap(), Dcp(threads, distributed=True), RawLimit(threads, ranges=ranges)]
+    if not same_world and config["direct"]:
+        methods.append(RawLimit(threads, ranges=ranges, direct=True, name=RAW_DIRECT))
+    return methods
 
 
 def _round(
@@ -250,7 +258,7 @@ def reshard_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str
     methods, results = _methods(rank, config, False), Measurements()
     checked: dict[str, int] = {}
     directories = {name: root / f"{name}-last" for name in ("trainsnap", "dcp")}
-    directories["raw"] = directories["trainsnap"]
+    directories["raw"] = directories[RAW_DIRECT] = directories["trainsnap"]
     for repetition in range(config["warmup"] + config["reps"]):
         one = _round(rank, {}, destination, specs, mesh, checked, saves=False)
         one.run(_rotate(methods, repetition - config["warmup"]), directories, results)
@@ -300,6 +308,7 @@ def run_io(args: Any, threads: int) -> dict[str, Any]:
     with scratch_root(args.dir, description["bytes"] * 2.6, "trainsnap-dist-") as root:
         config = {"root": str(root), "gib": args.gib, "reps": args.reps}
         config |= {"warmup": args.warmup, "threads": threads}
+        config["direct"] = out["direct"] = direct_io_works(root)
         out["sharded"] = _run_part(sharded_rank, 4, config, ("save", "load"), "part 1")
         if not args.skip_reshard:
             out["reshard"] = _run_part(reshard_rank, 2, config, ("load",), "part 2")
@@ -313,9 +322,12 @@ def _mib_list(values: list[int]) -> str:
     return "[" + ", ".join(f"{value / MiB:.0f}" for value in values) + "] MiB"
 
 
-def _ratios(label: str, operations: tuple[str, ...], targets: tuple[str, ...]) -> list[Ratio]:
+def _ratios(
+    label: str, operations: tuple[str, ...], targets: tuple[str, ...], direct: bool = False
+) -> list[Ratio]:
     """trainsnap/DCP of ``operations`` (each against the target of the same place in
-    ``targets``), and both loads against the raw reads of the same bytes."""
+    ``targets``), both loads against the raw reads of the same bytes, and with ``direct``
+    trainsnap's against those reads past the page cache."""
     ratios = [
         Ratio(
             f"{label} {op}: trainsnap/DCP",
@@ -329,6 +341,14 @@ def _ratios(label: str, operations: tuple[str, ...], targets: tuple[str, ...]) -
         Ratio(f"{label} load: trainsnap/raw reads", ("trainsnap", "load"), ("raw", "load"))
     )
     ratios.append(Ratio(f"{label} load: DCP/raw reads", ("dcp", "load"), ("raw", "load")))
+    if direct:
+        ratios.append(
+            Ratio(
+                f"{label} load: trainsnap/raw reads past the page cache",
+                ("trainsnap", "load"),
+                (RAW_DIRECT, "load"),
+            )
+        )
     return ratios
 
 
@@ -386,7 +406,9 @@ def report_io(out: dict[str, Any]) -> tuple[list[str], list[Check]]:
             io["reshard"]["results"],
             nbytes=nbytes,
             metrics=("load",),
-            ratios=_ratios("resharded", ("load",), ("reshard_load",)),
+            ratios=_ratios(
+                "resharded", ("load",), ("reshard_load",), direct=io.get("direct", False)
+            ),
             warmup=io["reshard"]["warmup"],
         )
         lines += [

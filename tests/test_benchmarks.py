@@ -104,6 +104,9 @@ def test_distributed(tmp_path: Path) -> None:
     assert_measured(sharded["results"], ["trainsnap", "dcp"], ["save", "load"])
     assert_measured(sharded["results"], ["raw"], ["load"])
     assert_measured(reshard["results"], ["trainsnap", "dcp", "raw"], ["load"])
+    if out["io"]["direct"]:  # the file system takes O_DIRECT: the second limit was measured
+        assert_measured(reshard["results"], ["raw_direct"], ["load"])
+        assert_verdicts(text, ["resharded load: trainsnap/raw reads past the page cache"])
     for part, world in ((sharded, 4), (reshard, 2)):
         assert len(part["per_rank"]) == world
         for rank in part["per_rank"]:

@@ -5,11 +5,14 @@ hashing and no placement logic.
 with ``writev``, fsyncing every file and then the directory; ``load`` reads those files back
 with ``preadv`` straight into the destination tensors. Given ``ranges`` (see
 :func:`trainsnap_read_ranges`), ``load`` instead reads byte ranges of another method's files
-into one scratch buffer: what the disk allows for exactly the bytes that method's load reads.
+into one scratch buffer: what the disk allows for exactly the bytes that method's load reads;
+with ``direct`` as well, it reads them past the page cache (``O_DIRECT``, each range widened to
+whole pages, into a page-aligned buffer): what the device allows without the kernel's copy.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ T = TypeVar("T")
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _MAX_IO = 1 << 30  # bytes per system call (Linux caps one call near 2 GiB)
 RANGE_PIECE = 32 * MiB  # the largest range one read of ``ranges`` mode asks for
+PAGE = 4096  # the alignment of a direct read's offset, length and memory
 
 Range = tuple[str, int, int]
 """(path, offset, length) of bytes to read."""
@@ -118,14 +122,16 @@ def _write(job: _Job) -> int:
     return sum(len(buffer) for buffer in job.buffers)
 
 
-def _read(job: _Job) -> int:
-    fd = os.open(job.path, os.O_RDONLY)
+def _read(job: _Job, flags: int = 0) -> int:
+    fd = os.open(job.path, os.O_RDONLY | flags)
     position = job.offset
     try:
         for first in _batches(job.buffers):
             batch = first
             while batch:
                 count = os.preadv(fd, batch, position)
+                if count == 0 and flags:
+                    return position - job.offset  # a page-widened range ends with the file
                 if count == 0:
                     raise OSError(f"{job.path}: short read at byte {position}")
                 position += count
@@ -133,6 +139,25 @@ def _read(job: _Job) -> int:
     finally:
         os.close(fd)
     return position - job.offset
+
+
+def _read_direct(job: _Job) -> int:
+    return _read(job, os.O_DIRECT)
+
+
+def direct_io_works(directory: Path) -> bool:
+    """Whether the file system of ``directory`` takes ``O_DIRECT`` opens (tmpfs does not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".direct-probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
 
 
 def _in_parallel(threads: int, function: Callable[[_Job], T], jobs: list[_Job]) -> list[T]:
@@ -151,7 +176,8 @@ class RawLimit(Method):
 
     With ``ranges`` (a function of the destination and the directory), the method only loads:
     it reads those byte ranges, cut at 32 MiB, into one touched buffer kept between loads (as a
-    load's destination is), and does not place them (``verifiable`` is False).
+    load's destination is), and does not place them (``verifiable`` is False); with ``direct``
+    too, past the page cache, each piece widened to whole pages.
     """
 
     name = "raw"
@@ -161,11 +187,16 @@ class RawLimit(Method):
         threads: int,
         *,
         ranges: Callable[[State, Path], list[Range]] | None = None,
+        direct: bool = False,
+        name: str = "raw",
         label: str = "raw",
     ) -> None:
+        if direct and ranges is None:
+            raise ValueError("direct reads are for ranges mode")
         self.threads = threads
         self.ranges = ranges
-        self.label = label
+        self.direct = direct
+        self.name, self.label = name, label
         self.can_save = self.verifiable = ranges is None
         self.range_jobs: list[_Job] = []
         self.buffer = memoryview(bytearray(0))
@@ -193,18 +224,32 @@ class RawLimit(Method):
             for path, offset, length in self.ranges(destination, directory)
             for start in range(offset, offset + length, RANGE_PIECE)
         ]
+        if self.direct:  # whole pages, each piece at a page of the buffer
+            pieces = [
+                (path, start // PAGE * PAGE, -(-(start + n) // PAGE) * PAGE - start // PAGE * PAGE)
+                for path, start, n in pieces
+            ]
         size = sum(length for _, _, length in pieces)
         if len(self.buffer) < size:
-            self.buffer = memoryview(bytearray(size))  # zero-filled: every page touched
+            self.buffer = self._new_buffer(size)
         self.range_jobs, at = [], 0
         for path, offset, length in pieces:
             self.range_jobs.append(_Job(Path(path), offset, [self.buffer[at : at + length]]))
             at += length
         self.last_bytes = size
 
+    def _new_buffer(self, size: int) -> memoryview:
+        if not self.direct:
+            return memoryview(bytearray(size))  # zero-filled: every page touched
+        region = mmap.mmap(-1, size)  # page-aligned, as direct reads need
+        view = memoryview(region)
+        for at in range(0, size, RANGE_PIECE):  # every page touched
+            view[at : at + RANGE_PIECE] = bytes(min(RANGE_PIECE, size - at))
+        return view
+
     def load(self, destination: State, directory: Path) -> None:
         if self.ranges is not None:
-            _in_parallel(self.threads, _read, self.range_jobs)
+            _in_parallel(self.threads, _read_direct if self.direct else _read, self.range_jobs)
             return
         jobs, layout = self._file_jobs(destination, directory)
         got = _in_parallel(self.threads, _read, jobs)
