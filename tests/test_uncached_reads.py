@@ -187,6 +187,7 @@ def test_read_uncached_reads_exactly_or_declines(quarters, tmp_path):
         assert not storage.read_uncached("objects/ab/x", 100, out, 4096)  # unaligned start
         assert not storage.read_uncached("objects/ab/x", 0, out[1:], 4096)  # unaligned memory
         assert not storage.read_uncached("objects/ab/x", 0, out[:8192], 8193)  # no room
+        assert not storage.read_uncached("objects/ab/x", 0, out.toreadonly(), 4096)
         with pytest.raises(ShortReadError):
             storage.read_uncached("objects/ab/x", 0, out, len(payload) + 5000)
         storage.get("objects/ab/x")  # now cached
@@ -194,3 +195,18 @@ def test_read_uncached_reads_exactly_or_declines(quarters, tmp_path):
     finally:
         out.release()
         region.close()
+
+
+def test_a_link_where_an_object_should_be_is_refused_past_the_cache_too(quarters, tmp_path):
+    root, outside = tmp_path / "copy", tmp_path / "outside"
+    shutil.copytree(quarters, root)
+    outside.mkdir()
+    for path in _objects(root):
+        target = outside / path.name
+        shutil.copyfile(path, target)
+        path.unlink()
+        path.symlink_to(target)
+    os.sync()
+    _evict(outside)
+    with pytest.raises(ts.CorruptError, match="not a regular file"):
+        _load(root)
