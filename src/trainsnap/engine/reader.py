@@ -38,6 +38,9 @@ class Reader:
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._direct = tunables.get().direct_reads > 0 and manifest.block_size % 4096 == 0
+        self._cached: set[int] = set()
+        """Objects a window of which was found in the page cache: their other windows are read
+        through it without asking (a warm load would otherwise open each window twice)."""
 
     def _block(self) -> memoryview:
         buf = getattr(self._scratch, "buf", None)
@@ -206,12 +209,13 @@ class Reader:
         False, with nothing read, where the storage cannot. The window is a bounce buffer
         either way, so this costs no extra copy, and saves the kernel's copy and its page-cache
         work (the bytes land in memory, not in the cache, so they are hashed from memory)."""
-        if not self._direct:
+        if not self._direct or obj in self._cached:
             return False
         with self._reading(obj, key):
             if not read_uncached(
                 self.storage, object_key(self.m.object_names[obj]), start, window, n
             ):
+                self._cached.add(obj)
                 return False
         self._check(obj, start // self.m.block_size, window[:n], key)
         with self._lock:
