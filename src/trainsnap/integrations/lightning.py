@@ -4,25 +4,38 @@ Lightning hands its checkpoint backend the whole checkpoint dict on global rank 
 optimizer and scheduler states, loops, callbacks, hyper-parameters) and asks for it back by path
 on every rank. :class:`TrainsnapCheckpointIO` saves the dict as a committed snapshot of a
 trainsnap root (checksummed, content-addressed: an unchanged tensor is stored once however many
-checkpoints hold it) and writes, at the ``.ckpt`` path Lightning chose, a small JSON *pointer*
-to that snapshot -- only after the commit, so a pointer never names an uncommitted snapshot.
-``fit(ckpt_path="last")``, ``ModelCheckpoint`` top-k and ``save_last`` work unchanged; a removed
-top-k checkpoint deletes its snapshot and collects the objects no other snapshot uses.
+checkpoints hold it) and writes, at the ``.ckpt`` path Lightning chose, a small *pointer* to that
+snapshot -- only after the commit, so a pointer never names an uncommitted snapshot. Paths and
+roots may be local or any fsspec URL (``memory://``, ``s3://``): pointers and snapshots stay in
+the store the path names. ``fit(ckpt_path="last")``, ``ModelCheckpoint`` top-k and
+``save_last`` work unchanged; a removed top-k checkpoint deletes its snapshot and collects the
+objects no other snapshot uses -- only in the plug-in's own root, whatever a pointer names.
+
+The pointer file is a valid ``torch.save`` archive: ``torch.load`` of it does not return a
+checkpoint but fails naming ``TrainsnapPointerFile`` (and, with ``weights_only=False``, says how
+to load it); trainsnap reads the pointer from a JSON record of the archive without unpickling.
+Lightning's own ``LightningModule.load_from_checkpoint`` reads files with ``torch.load``; use
+this module's :func:`load_from_checkpoint` instead::
 
     trainer = lightning.Trainer(plugins=[TrainsnapCheckpointIO()], ...)  # root: <dir>/trainsnap
     model = load_from_checkpoint(MyModule, "checkpoints/last.ckpt")
 
-Hyper-parameters that are not plain data (an ``argparse.Namespace``, a dataclass) need
+Hyper-parameters that are not plain data (an ``argparse.Namespace``, a dataclass, a module such
+as ``loss=nn.SmoothL1Loss()``) are refused, naming the key, unless pickled on opt-in with
 ``allow_pickle=("hyper_parameters",)``; trainsnap never unpickles anything else.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import secrets
+import stat
 import threading
-from pathlib import Path
+import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,11 +43,12 @@ import torch
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
 from trainsnap.api.snapshots import async_save, delete, load, read, save
-from trainsnap.errors import IncompatibleError, NotFoundError
+from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
 from trainsnap.format import tree
-from trainsnap.format.values import PickleKeys
+from trainsnap.format.values import PickleKeys, pickle_allowed
 from trainsnap.manager import collection
 from trainsnap.protocol import commit
+from trainsnap.state.capture import is_stateful
 from trainsnap.storage import Root, open_storage
 
 try:
@@ -48,21 +62,36 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 log = logging.getLogger("trainsnap.integrations.lightning")
 
 POINTER_FORMAT = "trainsnap.pointer"
+POINTER_RECORD = "trainsnap_pointer.json"
+"""The archive record of a pointer file that holds the pointer as JSON."""
+POINTER_MAX_BYTES = 64 * 1024
+"""A pointer file (and its JSON record) larger than this is refused before it is read."""
 DEFAULT_ROOT = "trainsnap"
 """The root's folder next to the checkpoints when no root is given."""
+HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+"""The checkpoint entries where Lightning puts the user's own objects."""
+
+
+class CheckpointNotFoundError(NotFoundError, FileNotFoundError):
+    """No checkpoint at the path Lightning asked for: a trainsnap ``NotFoundError`` that is also
+    the ``FileNotFoundError`` Lightning's ``CheckpointIO`` contract names."""
 
 
 class TrainsnapCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that stores checkpoints as trainsnap snapshots.
 
     Args:
-        root: the trainsnap root (a directory, ``s3://...``); default: a ``trainsnap`` folder
-            in the directory of the first checkpoint path Lightning gives.
+        root: the trainsnap root (a directory, ``s3://...``, ``memory://...``); default: a
+            ``trainsnap`` folder in the directory of the first checkpoint path Lightning gives,
+            in the same store.
         async_save: return once the checkpoint is staged (copied); writing and the commit go
             on in the background and the pointer is written by a done callback.
         allow_pickle: keys whose non-plain values may be pickled on save and unpickled on load
             (``("hyper_parameters",)``), or True for all; off by default.
-        storage_options: options for the root's storage (``endpoint_url`` ...).
+        storage_options: options for the root's and the pointers' storage (``endpoint_url``...).
+
+    The plug-in pickles (``strategy="ddp_spawn"``, ``torch.save(trainer)``) without its save in
+    flight: a copy starts with none.
     """
 
     def __init__(
@@ -81,52 +110,84 @@ class TrainsnapCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_saver=None, _lock=None, _errors=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- Lightning's interface ----------------------------------------------------------------
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
+        """Save ``checkpoint`` as a snapshot and point ``path`` at it once committed.
+        ``storage_options`` (a dict) are merged over the plug-in's for this save."""
         self._raise_background_error()
-        pointer = Path(path)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise InvalidArgumentError(
+                "TrainsnapCheckpointIO.save_checkpoint: storage_options must be a dict of "
+                f"storage options (endpoint_url...), got {type(storage_options).__name__}"
+            )
+        options = {**self.storage_options, **(storage_options or {})}
+        pointer = _text(path)
         root = self._root_for(pointer)
         step = int(checkpoint.get("global_step", 0))
-        options = SaveOptions(
+        save_options = SaveOptions(
             allow_pickle=self.allow_pickle,
-            meta={"lightning_path": pointer.name, "epoch": checkpoint.get("epoch")},
+            meta={"lightning_path": _name(pointer), "epoch": checkpoint.get("epoch")},
         )
-        kwargs: dict[str, Any] = {"step": step, "options": options, "no_dist": True}
-        kwargs["storage_options"] = self.storage_options
+        state = _with_hparams_checked(checkpoint, self.allow_pickle)
+        kwargs: dict[str, Any] = {"step": step, "options": save_options, "no_dist": True}
+        kwargs["storage_options"] = options
         if not self.async_save:
-            info = save(checkpoint, root, **kwargs)
-            self._point(pointer, root, info.id, step)
+            info = save(state, root, **kwargs)
+            self._point(pointer, root, info.id, step, options)
             return
         if self._saver is None:
             self._saver = AsyncSaver()
-        handle = async_save(checkpoint, root, saver=self._saver, **kwargs)
-        handle.add_done_callback(lambda h: self._committed(h, pointer, root, step))
+        handle = async_save(state, root, saver=self._saver, **kwargs)
+        handle.add_done_callback(lambda h: self._committed(h, pointer, root, step, options))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        """The checkpoint ``path`` points to. ``map_location`` as ``torch.load`` takes it (a
+        device, a ``{saved: wanted}`` dict, or ``fn(storage, "cpu")`` returning a moved storage
+        or None to keep it). ``CheckpointNotFoundError`` (a ``FileNotFoundError``) when there
+        is no file at ``path``."""
         self.wait()
-        root, snapshot_id = read_pointer(Path(path))
-        tree = read(
+        root, snapshot_id = read_pointer(path, self.storage_options)
+        checkpoint = read(
             root,
             snapshot_id,
             allow_pickle=self.allow_pickle,
             storage_options=self.storage_options,
         )
-        out: dict[str, Any] = tree if map_location is None else _map_location(tree, map_location)
+        out: dict[str, Any] = (
+            checkpoint if map_location is None else _map_location(checkpoint, map_location)
+        )
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Remove the file at ``path``; when it is a trainsnap pointer into this plug-in's root
+        (not a link to one), also delete its snapshot and collect what no snapshot uses."""
         self.wait()  # the save of this path may still be in flight
-        pointer = Path(path)
-        if not pointer.exists():
+        pointer = _text(path)
+        if not _exists(pointer, self.storage_options):
             return
-        root, snapshot_id = read_pointer(pointer)
-        pointer.unlink()
-        self._drop(root, snapshot_id, pointer)
+        owned = None
+        if not _is_link(pointer):
+            try:
+                owned = self._owned(pointer, self.storage_options)
+            except IncompatibleError as e:
+                log.warning("removing %s, which is not a trainsnap pointer: %s", pointer, e)
+        _remove(pointer, self.storage_options)
+        if owned is not None:
+            self._drop(owned[0], owned[1], pointer, self.storage_options)
 
     def teardown(self) -> None:
         """Wait for the save in flight (Lightning calls this at the end of fit)."""
@@ -143,31 +204,56 @@ class TrainsnapCheckpointIO(CheckpointIO):
             self._saver.wait()
         self._raise_background_error()
 
-    def _point(self, pointer: Path, root: Root, snapshot_id: str, step: int) -> None:
+    def _point(
+        self, pointer: str, root: Root, snapshot_id: str, step: int, options: dict[str, Any]
+    ) -> None:
         """Point ``pointer`` at the committed snapshot; the snapshot it named before (Lightning
-        overwrites ``last.ckpt``) is deleted."""
-        previous = read_pointer(pointer) if pointer.exists() else None
-        _write_pointer(pointer, root, snapshot_id, step)
+        overwrites ``last.ckpt``) is deleted when it is in this plug-in's root."""
+        previous = None
+        if _exists(pointer, options) and not _is_link(pointer):
+            try:
+                previous = self._owned(pointer, options)
+            except IncompatibleError:
+                previous = None  # a torch checkpoint overwritten: nothing of ours to drop
+        _write_pointer(pointer, root, snapshot_id, step, options)
         if previous is not None and previous[1] != snapshot_id:
-            self._drop(previous[0], previous[1], pointer)
+            self._drop(previous[0], previous[1], pointer, options)
 
-    def _drop(self, root: Root, snapshot_id: str, pointer: Path) -> None:
+    def _owned(self, pointer: str, options: dict[str, Any]) -> tuple[Root, str] | None:
+        """(root, snapshot) ``pointer`` names when that root is this plug-in's; None (with a
+        warning) when it names another: trainsnap deletes and collects only in its own root."""
+        root, snapshot_id = read_pointer(pointer, options)
+        mine = self._root_for(pointer)
+        if _same_root(root, mine):
+            return mine, snapshot_id
+        log.warning(
+            "%s points into %s, not into this plug-in's root %s: its snapshot %s is left alone",
+            pointer,
+            root,
+            mine,
+            snapshot_id,
+        )
+        return None
+
+    def _drop(self, root: Root, snapshot_id: str, pointer: str, options: dict[str, Any]) -> None:
         try:
-            delete(root, snapshot_id, **self.storage_options)
+            delete(root, snapshot_id, **options)
         except NotFoundError:
             log.warning("%s named snapshot %s, which is already gone", pointer, snapshot_id)
         # A save of another path may be in flight: objects younger than the grace period stay.
-        collection.collect(open_storage(root, **self.storage_options), grace=600.0)
+        collection.collect(open_storage(root, **options), grace=600.0)
 
-    def _root_for(self, pointer: Path) -> Root:
+    def _root_for(self, pointer: str) -> Root:
         if self.root is None:
-            self.root = str(pointer.parent / DEFAULT_ROOT)
+            self.root = _join(_parent(pointer), DEFAULT_ROOT)
         return self.root
 
-    def _committed(self, handle: SaveHandle, pointer: Path, root: Root, step: int) -> None:
+    def _committed(
+        self, handle: SaveHandle, pointer: str, root: Root, step: int, options: dict[str, Any]
+    ) -> None:
         try:
             info = handle.wait()
-            self._point(pointer, root, info.id, step)
+            self._point(pointer, root, info.id, step, options)
         except BaseException as e:  # raised by the next save, load or teardown
             with self._lock:
                 self._errors.append(e)
@@ -179,54 +265,295 @@ class TrainsnapCheckpointIO(CheckpointIO):
             raise errors[0]
 
 
-def _write_pointer(pointer: Path, root: Root, snapshot_id: str, step: int) -> None:
-    """The pointer, atomically: a reader sees the old one, the new one, or none."""
-    root_text = str(root)
-    if not root_text.startswith(("s3://", "file://", "memory://")):
-        # Kept relative to the pointer when the root is next to it: the folder can move.
-        absolute = Path(root_text).resolve()
-        if absolute.is_relative_to(pointer.parent.resolve()):
-            root_text = str(absolute.relative_to(pointer.parent.resolve()))
-    doc = {"format": POINTER_FORMAT, "root": root_text, "snapshot": snapshot_id, "step": step}
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pointer.with_name(f".{pointer.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, pointer)
+# -- hyper-parameters ---------------------------------------------------------------------------
 
 
-def read_pointer(pointer: Path) -> tuple[str, str]:
-    """(root, snapshot id) a checkpoint path points to."""
-    try:
-        doc = json.loads(pointer.read_text())
-    except FileNotFoundError:
-        raise NotFoundError(f"no checkpoint at {pointer}", path=str(pointer)) from None
-    except (UnicodeDecodeError, ValueError):
-        doc = None
-    if not (isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT):
-        raise IncompatibleError(
-            f"{pointer} is not a trainsnap checkpoint pointer (a torch.save checkpoint?); load "
-            "it with Lightning's default CheckpointIO, or save it again through "
-            "TrainsnapCheckpointIO",
-            path=str(pointer),
+class _Pickled:
+    """A value the user allowed to pickle, kept from being walked as a stateful object (whose
+    state dict would come back in its place); unpickling gives back the value itself."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _itself, (self.value,)
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
+def _with_hparams_checked(checkpoint: dict[str, Any], allow_pickle: PickleKeys) -> dict[str, Any]:
+    """``checkpoint`` with each stateful object in its hyper-parameters (a module, an
+    optimizer) marked to be pickled where ``allow_pickle`` covers it; refused otherwise, since
+    its state dict would come back in its place. Lightning's dict is not modified."""
+    out = dict(checkpoint)
+    for key in HPARAMS_KEYS:
+        if key in out:
+            out[key] = _hparam(out[key], key, allow_pickle)
+    return out
+
+
+def _hparam(value: Any, key: str, allow_pickle: PickleKeys) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    if is_stateful(value):
+        if pickle_allowed(allow_pickle, key):
+            return _Pickled(value)
+        raise InvalidArgumentError(
+            f"cannot save hyper-parameter {key!r}: it is a {type(value).__name__}, which would "
+            "be saved as its state dict and come back as that dict instead of the object. Leave "
+            f"it out (self.save_hyperparameters(ignore=[{key.rsplit('.', 1)[-1]!r}])) or let "
+            "it be pickled: TrainsnapCheckpointIO(allow_pickle=('hyper_parameters',))",
+            key=key,
         )
-    root = str(doc["root"])
-    if not root.startswith(("/", "s3://", "file://", "memory://")):
-        root = str(pointer.parent / root)
-    return root, str(doc["snapshot"])
+    if isinstance(value, Mapping):
+        items = {k: _hparam(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}
+        try:  # Lightning's AttributeDict stays one
+            return type(value)(items) if isinstance(value, dict) else items
+        except TypeError:  # a dict type that cannot be rebuilt from a dict
+            return items
+    if isinstance(value, list | tuple) and type(value) in (list, tuple):
+        return type(value)(_hparam(v, f"{key}.{i}", allow_pickle) for i, v in enumerate(value))
+    return value
 
 
-def _map_location(tree: Any, where: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        if callable(where):
-            return where(tree, "cpu")
-        if isinstance(where, dict):
-            return tree.to(where.get("cpu", "cpu"))
-        return tree.to(where)
-    if isinstance(tree, dict):
-        return type(tree)((k, _map_location(v, where)) for k, v in tree.items())
-    if isinstance(tree, list | tuple):
-        return type(tree)(_map_location(v, where) for v in tree)
-    return tree
+# -- pointer files ------------------------------------------------------------------------------
+
+
+class TrainsnapPointerFile:
+    """What ``torch.load`` of a pointer file unpickles: constructing it raises, saying how to
+    load the checkpoint the pointer names (``weights_only=True`` refuses the class by name)."""
+
+    def __init__(self, pointer: dict[str, Any]) -> None:
+        raise IncompatibleError(
+            "this .ckpt is a trainsnap pointer to snapshot "
+            f"{pointer.get('snapshot')} of root {pointer.get('root')}, not a Lightning "
+            "checkpoint: load it with trainsnap.integrations.lightning.load_from_checkpoint("
+            "MyModule, path), or with Trainer(plugins=[TrainsnapCheckpointIO()]).fit(..., "
+            "ckpt_path=path); trainsnap.read(root, snapshot) gives the checkpoint dict",
+            snapshot_id=str(pointer.get("snapshot")),
+        )
+
+
+class _TorchLoadRefusal:
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return TrainsnapPointerFile, (self.doc,)
+
+
+def _text(path: Any) -> str:
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    if text.startswith("file://"):
+        return text[len("file://") :]
+    return text
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text
+
+
+def _parent(text: str) -> str:
+    if _is_url(text):
+        return text.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(text) or "."
+
+
+def _name(text: str) -> str:
+    return text.rstrip("/").rsplit("/", 1)[-1] if _is_url(text) else os.path.basename(text)
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent.rstrip('/')}/{name}" if _is_url(parent) else os.path.join(parent, name)
+
+
+def _fs(text: str, options: dict[str, Any]) -> tuple[Any, str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(text, **options)
+    return fs, path
+
+
+def _exists(text: str, options: dict[str, Any]) -> bool:
+    if not _is_url(text):
+        return os.path.lexists(text)
+    fs, path = _fs(text, options)
+    return bool(fs.exists(path))
+
+
+def _is_link(text: str) -> bool:
+    return not _is_url(text) and os.path.islink(text)
+
+
+def _remove(text: str, options: dict[str, Any]) -> None:
+    if not _is_url(text):
+        os.unlink(text)
+        return
+    fs, path = _fs(text, options)
+    fs.rm_file(path)
+
+
+def _same_root(a: Root, b: Root) -> bool:
+    def norm(root: Root) -> str:
+        text = _text(root)
+        return text.rstrip("/") if _is_url(text) else os.path.realpath(text)
+
+    return norm(a) == norm(b)
+
+
+def _pointer_bytes(root: Root, snapshot_id: str, step: int, pointer: str) -> bytes:
+    """A ``torch.save`` archive whose pickle refuses to load as a checkpoint, with the pointer
+    as a JSON record beside it (the record is what trainsnap reads)."""
+    root_text = _text(root)
+    parent = _parent(pointer)
+    if _is_url(root_text) == _is_url(parent):
+        # Kept relative to the pointer when the root is next to it: the folder can move.
+        base = parent.rstrip("/") if _is_url(parent) else os.path.abspath(parent)
+        full = root_text.rstrip("/") if _is_url(root_text) else os.path.abspath(root_text)
+        if full.startswith(base + "/"):
+            root_text = full[len(base) + 1 :]
+    doc = {"format": POINTER_FORMAT, "root": root_text, "snapshot": snapshot_id, "step": step}
+    buffer = io.BytesIO()
+    torch.save(_TorchLoadRefusal(doc), buffer)
+    with zipfile.ZipFile(buffer, "a") as archive:
+        prefix = archive.namelist()[0].split("/", 1)[0]
+        archive.writestr(f"{prefix}/{POINTER_RECORD}", json.dumps(doc))
+    return buffer.getvalue()
+
+
+def _write_pointer(
+    pointer: str, root: Root, snapshot_id: str, step: int, options: dict[str, Any]
+) -> None:
+    """The pointer, atomically: a reader sees the old one, the new one, or none."""
+    data = _pointer_bytes(root, snapshot_id, step, pointer)
+    if _is_url(pointer):  # an object store's PUT is whole; fsspec's memory store too
+        fs, path = _fs(pointer, options)
+        fs.makedirs(fs._parent(path), exist_ok=True)
+        fs.pipe_file(path, data)
+        return
+    parent = _parent(pointer)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{_name(pointer)}.tmp-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, pointer)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read_bounded(text: str, options: dict[str, Any]) -> bytes:
+    """The bytes of the pointer file ``text``: a regular file of at most
+    :data:`POINTER_MAX_BYTES`, checked before reading; a FIFO or device is refused, never
+    waited on."""
+    if _is_url(text):
+        fs, path = _fs(text, options)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise _not_found(text) from None
+        if info.get("type") != "file" or int(info.get("size") or 0) > POINTER_MAX_BYTES:
+            raise _not_a_pointer(text, f"a {info.get('type')} of {info.get('size')} bytes")
+        data = bytes(fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1))
+    else:
+        try:
+            fd = os.open(text, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            raise _not_found(text) from None
+        except IsADirectoryError:
+            raise _not_a_pointer(text, "a directory") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_a_pointer(text, "not a regular file (a FIFO, a device?)")
+            if st.st_size > POINTER_MAX_BYTES:
+                raise _not_a_pointer(text, f"{st.st_size} bytes")
+            data = f.read(POINTER_MAX_BYTES + 1)
+    if len(data) > POINTER_MAX_BYTES:
+        raise _not_a_pointer(text, f"more than {POINTER_MAX_BYTES} bytes")
+    return data
+
+
+def _pointer_doc(data: bytes) -> Any:
+    """The pointer's JSON document: the record of a pointer archive, or (pointers written by
+    earlier versions) the whole file. None when neither is there."""
+    if data.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                names = [n for n in archive.namelist() if n.endswith("/" + POINTER_RECORD)]
+                if len(names) != 1 or archive.getinfo(names[0]).file_size > POINTER_MAX_BYTES:
+                    return None
+                with archive.open(names[0]) as record:
+                    data = record.read(POINTER_MAX_BYTES + 1)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+            return None
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+def read_pointer(pointer: Any, storage_options: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(root, snapshot id) a checkpoint path points to. ``CheckpointNotFoundError`` when no file
+    is there; ``IncompatibleError`` when the file is not a pointer (a torch checkpoint, a FIFO,
+    a file over :data:`POINTER_MAX_BYTES`). O(size of the pointer), bounded."""
+    text = _text(pointer)
+    doc = _pointer_doc(_read_bounded(text, dict(storage_options or {})))
+    if not (
+        isinstance(doc, dict)
+        and doc.get("format") == POINTER_FORMAT
+        and isinstance(doc.get("root"), str)
+        and isinstance(doc.get("snapshot"), str)
+    ):
+        raise _not_a_pointer(text, "no trainsnap pointer in it (a torch.save checkpoint?)")
+    root = doc["root"]
+    if not (_is_url(root) or os.path.isabs(root)):
+        root = _join(_parent(text), root)
+    return root, doc["snapshot"]
+
+
+def _not_found(text: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"Checkpoint file not found: {text}. Give the path of a .ckpt that "
+        "TrainsnapCheckpointIO saved (ckpt_path='last' finds the newest)",
+        path=text,
+    )
+
+
+def _not_a_pointer(text: str, why: str) -> IncompatibleError:
+    return IncompatibleError(
+        f"{text} is not a trainsnap checkpoint pointer ({why}); load a torch.save checkpoint "
+        "with Lightning's default CheckpointIO, or save it again through TrainsnapCheckpointIO",
+        path=text,
+    )
+
+
+def _map_location(checkpoint: Any, where: Any) -> Any:
+    """Tensors moved as ``torch.load(map_location=where)`` would move tensors saved on CPU."""
+    if isinstance(checkpoint, torch.Tensor):
+        return _moved(checkpoint, where)
+    if isinstance(checkpoint, dict):
+        return type(checkpoint)((k, _map_location(v, where)) for k, v in checkpoint.items())
+    if isinstance(checkpoint, list | tuple) and type(checkpoint) in (list, tuple):
+        return type(checkpoint)(_map_location(v, where) for v in checkpoint)
+    return checkpoint
+
+
+def _moved(tensor: torch.Tensor, where: Any) -> torch.Tensor:
+    if callable(where):
+        storage = where(tensor.untyped_storage(), "cpu")  # None: keep it where it is
+        return tensor if storage is None else tensor.to(storage.device)
+    if isinstance(where, dict):
+        target = where.get("cpu")
+        return tensor if target is None else tensor.to(target)
+    return tensor.to(where)
 
 
 def load_from_checkpoint(
@@ -283,13 +610,13 @@ class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        pointer = Path(self.broadcast(str(filepath)))
-        root = self.broadcast(str(self._trainsnap._root_for(pointer)))
+        pointer = self.broadcast(_text(filepath))
+        root = self.broadcast(_text(self._trainsnap._root_for(pointer)))
         step = int(checkpoint.get("global_step", 0))
         # Every rank saves its own DTensor shards; the coordinator commits.
         info = save(checkpoint, root, step=step, storage_options=self.storage_options)
         if self.global_rank == 0:
-            self._trainsnap._point(pointer, root, info.id, step)
+            self._trainsnap._point(pointer, root, info.id, step, self.storage_options)
         self.barrier("trainsnap.save_checkpoint")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
@@ -301,7 +628,9 @@ class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        root, snapshot_id = read_pointer(Path(self.broadcast(str(checkpoint_path))))
+        root, snapshot_id = read_pointer(
+            self.broadcast(_text(checkpoint_path)), self.storage_options
+        )
         model = self.model
         assert model is not None, "load_checkpoint runs after the strategy set the model up"
         # Everything saved, as placeholders; the model's and optimizers' own (sharded) state dicts
@@ -321,8 +650,10 @@ class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
 
 
 __all__ = [
+    "CheckpointNotFoundError",
     "TrainsnapCheckpointIO",
     "TrainsnapModelParallelStrategy",
+    "TrainsnapPointerFile",
     "load_from_checkpoint",
     "read_pointer",
 ]
