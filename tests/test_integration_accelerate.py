@@ -270,3 +270,31 @@ def test_a_cursor_restored_and_saved_before_the_next_batch_keeps_its_place(
     assert torch.equal(next(iter(loader))[0], third)
     ts.load(state, tmp_path / "b")
     assert torch.equal(next(iter(loader))[0], third)
+
+
+def test_a_save_after_the_epoch_loop_exits_resumes_at_the_next_epochs_order(
+    accelerate_state: None, tmp_path: Path
+) -> None:
+    """accelerate's canonical pattern: ``for epoch: for batch in loader: ...`` then save at the
+    end of the epoch. The epoch is counted once: the resumed run sees the next epoch's order."""
+    from accelerate import Accelerator
+
+    from trainsnap.integrations.accelerate import train_state
+
+    accelerator = Accelerator(cpu=True, dataloader_config=_config())
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    state = train_state(accelerator, rng=False)
+    orders = []
+    for epoch in range(3):
+        orders.append([b[0].tolist() for b in loader])
+        if epoch == 0:
+            ts.save(state, tmp_path, step=epoch)  # after the loop exited
+    assert orders[0] != orders[1] != orders[2]
+    AcceleratorState = type(accelerator.state)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    fresh = Accelerator(cpu=True, dataloader_config=_config())
+    loader = fresh.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    ts.load(train_state(fresh, rng=False), tmp_path)
+    assert [b[0].tolist() for b in loader] == orders[1]
+    assert [b[0].tolist() for b in loader] == orders[2]

@@ -153,9 +153,12 @@ class _Dataloaders:
 
     def _cursor(self, dl: Any) -> dict[str, Any]:
         state = dl.state_dict()
-        # accelerate counts the epoch up only once its loop has asked past the last batch; a
-        # cursor taken at the last batch resumes in the next epoch, whose order that count seeds.
-        epoch = getattr(dl, "iteration", 0) + bool(state.get("_iterator_finished"))
+        # accelerate counts the epoch up only once its loop has asked past the last batch. A
+        # cursor taken at the last batch, the loop still running, resumes in the next epoch,
+        # whose order that count seeds; one taken after the loop exited (the loader is then no
+        # longer among the active ones) has been counted already.
+        finished = bool(state.get("_iterator_finished"))
+        epoch = getattr(dl, "iteration", 0) + (finished and _iterating(dl))
         return {
             "process": self.accelerator.process_index,
             "processes": self.accelerator.num_processes,
@@ -183,6 +186,15 @@ class _Dataloaders:
                 dl.iteration = saved["epoch"]
             if saved["seed"] is not None:
                 _sampler(dl).initial_seed = saved["seed"]
+
+
+def _iterating(dl: Any) -> bool:
+    """Whether a loop over ``dl`` is running: accelerate registers a loader with its gradient
+    state when its iteration begins and removes it when the iteration ends."""
+    gradient_state = getattr(dl, "gradient_state", None)
+    if gradient_state is None:
+        return True  # cannot tell: keep the count of a cursor taken inside the loop
+    return any(ref is dl for ref in gradient_state.dataloader_references)
 
 
 def _check_resumable(index: int, dl: Any) -> None:
