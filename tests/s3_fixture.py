@@ -1,9 +1,12 @@
-"""A real S3 API server on loopback (moto), for tests that exercise the ``s3://`` backend.
+"""S3 servers on loopback for tests that exercise the ``s3://`` backend: moto and SeaweedFS.
 
-The server (:class:`trainsnap.testing.s3.LoopbackS3`) runs in a thread of the test process for
-the whole session, so that S3 tests talk HTTP to an actual endpoint (signing, ranged GETs,
-listings) without any network access or real credentials. Tests ask for :func:`s3_root` to get
-a fresh prefix each, and open it with :func:`open_s3`.
+moto (:class:`trainsnap.testing.s3.LoopbackS3`) runs in a thread of the test process for the
+whole session, so that S3 tests talk HTTP to an actual endpoint (signing, ranged GETs, listings)
+without any network access or real credentials; it counts what it serves. SeaweedFS
+(:class:`trainsnap.testing.seaweedfs.SeaweedS3`) is a real S3 server, started as a process for
+the session when the first test asks for it (skipped, with the reason, where its binary does not
+run). Tests ask for :func:`s3_root` or :func:`seaweed_root` to get a fresh prefix each, and open
+it with :func:`open_s3`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 
 from trainsnap.storage import Storage, open_storage
 from trainsnap.testing.s3 import BUCKET, LoopbackS3
+from trainsnap.testing.seaweedfs import SeaweedS3, ServerUnavailable, weed_binary
 
 
 @dataclass(frozen=True)
@@ -56,3 +60,22 @@ def s3_endpoint() -> Iterator[str]:
 def s3_root(s3_endpoint: str) -> S3Root:
     """A unique ``s3://bucket/<prefix>`` per test, so tests never see each other's keys."""
     return S3Root(f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}", s3_endpoint)
+
+
+@pytest.fixture(scope="session")
+def seaweed_endpoint() -> Iterator[str]:
+    """Start SeaweedFS's S3 server with the test credentials and one bucket; yield its URL."""
+    for module in ("s3fs", "boto3"):
+        pytest.importorskip(module)
+    try:
+        weed_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"SeaweedFS S3 server unavailable: {e}")
+    with SeaweedS3() as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def seaweed_root(seaweed_endpoint: str) -> S3Root:
+    """A unique ``s3://bucket/<prefix>`` on SeaweedFS per test."""
+    return S3Root(f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}", seaweed_endpoint)

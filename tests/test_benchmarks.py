@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 VERDICT = re.compile(
     r"^(?P<label>\S.*?)\s+(?P<value>-?[\d.]+|-)\s+(?P<target>-|[<>]=? [\d.]+)\s+"
@@ -227,3 +229,19 @@ def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
     assert out["resume"]["losses_equal"] and out["resume"]["level"] == "strict"
     assert out["collective"] == {"backend": "gloo", "world": 2, "bitwise": True}
     assert "== GPU check (CPU dry run)" in text and out["pause"]["pause_s"] > 0
+
+
+@pytest.mark.s3
+def test_object_store(tmp_path: Path) -> None:
+    """trainsnap, DCP (fsspec) and parallel PUT/GET on a SeaweedFS S3 server, each verified."""
+    from trainsnap.testing.seaweedfs import ServerUnavailable, weed_binary
+
+    try:
+        weed_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"SeaweedFS S3 server unavailable: {e}")
+    text, out = run_benchmark("object_store", tmp_path)
+    assert text.count("(save/load, verified)") == out["config"]["reps"]
+    assert_measured(out["results"], ["trainsnap", "dcp", "raw"], ["save", "load"])
+    labels = [f"{op}: trainsnap/{other}" for op in ("save", "load") for other in ("DCP", "raw")]
+    assert_verdicts(text, labels)

@@ -1,9 +1,10 @@
 """Storage backend conformance: one suite that every backend must pass the same way.
 
 The snapshot engine relies only on the protocol in ``trainsnap.storage.base``; these tests pin
-that protocol down (exact bytes, exact errors, exact listings) on a POSIX directory, an fsspec
-``memory://`` root and S3 served by a loopback moto server, so that a backend which drifts from
-the others fails here rather than as a corrupt or unreadable snapshot later.
+that protocol down (exact bytes, exact errors, exact listings, conditional creates) on a POSIX
+directory, an fsspec ``memory://`` root, S3 served by a loopback moto server and S3 served by a
+real S3 server (SeaweedFS), so that a backend which drifts from the others fails here rather than
+as a corrupt or unreadable snapshot, or an unfenced writer, later.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainsnap import faults
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.storage import PosixStorage, Storage, open_storage
 from trainsnap.storage.base import ShortReadError
+from trainsnap.storage.fsspec import FsspecStorage
 
 BAD_KEYS = ["../x", "/abs", "a//b", ".hidden/x", "a/./b", ""]
 
@@ -37,6 +39,9 @@ class Backend:
     name: str
     storage: Storage
     surroundings: Callable[[], set[str]]
+    make_folder: Callable[[str], None]
+    """Make what the store's own tools make for an empty "folder" ``prefix/`` (a directory, a
+    zero-byte ``prefix/`` object) without going through the backend under test."""
 
 
 def _payload(n: int, seed: int = 0) -> bytes:
@@ -50,7 +55,10 @@ def _tree(top: Path) -> set[str]:
 
 
 def _posix_backend(tmp_path: Path) -> Backend:
-    return Backend("posix", PosixStorage(tmp_path / "root"), lambda: _tree(tmp_path))
+    def make_folder(prefix: str) -> None:
+        (tmp_path / "root" / prefix).mkdir(parents=True, exist_ok=True)
+
+    return Backend("posix", PosixStorage(tmp_path / "root"), lambda: _tree(tmp_path), make_folder)
 
 
 def _memory_backend() -> Iterator[Backend]:
@@ -62,16 +70,30 @@ def _memory_backend() -> Iterator[Backend]:
         "memory",
         open_storage(f"memory://{name}"),
         lambda: set(fs.store) | set(fs.pseudo_dirs),
+        lambda prefix: fs.mkdir(f"/{name}/{prefix}"),
     )
     if fs.exists(f"/{name}"):
         fs.rm(f"/{name}", recursive=True)  # the memory store is process-global
 
 
-def _s3_backend(root: S3Root) -> Backend:
-    return Backend("s3", root.open(), lambda: bucket_keys(root.endpoint))
+def _s3_backend(name: str, root: S3Root) -> Backend:
+    import boto3
+
+    def make_folder(prefix: str) -> None:
+        client = boto3.client("s3", endpoint_url=root.endpoint, region_name="us-east-1")
+        bucket, _, top = root.url.removeprefix("s3://").partition("/")
+        client.put_object(Bucket=bucket, Key=f"{top}/{prefix.rstrip('/')}/", Body=b"")
+
+    return Backend(name, root.open(), lambda: bucket_keys(root.endpoint), make_folder)
 
 
-@pytest.fixture(params=["posix", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+S3_BACKENDS = {"s3": "s3_root", "seaweedfs": "seaweed_root"}
+"""S3 backends and the fixture giving each a fresh root: moto, and a real S3 server."""
+
+
+@pytest.fixture(
+    params=["posix", "memory", *(pytest.param(name, marks=pytest.mark.s3) for name in S3_BACKENDS)]
+)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """Each conformance test runs once per backend, on an empty root of its own."""
     if request.param == "posix":
@@ -79,7 +101,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     elif request.param == "memory":
         yield from _memory_backend()
     else:
-        yield _s3_backend(request.getfixturevalue("s3_root"))
+        root = request.getfixturevalue(S3_BACKENDS[request.param])
+        yield _s3_backend(request.param, root)
 
 
 @pytest.fixture
@@ -148,8 +171,23 @@ def test_empty_object(storage: Storage) -> None:
     assert list(storage.list("objects/")) == ["objects/00/empty"]
 
 
-def test_large_object(storage: Storage) -> None:
-    data = _payload(8 << 20, seed=5)
+def _fsspec_of(storage: Storage) -> FsspecStorage | None:
+    """The fsspec backend under the retrying (and fault-injecting) wrappers, if it is one."""
+    while not isinstance(storage, FsspecStorage):
+        inner = getattr(storage, "inner", None)
+        if inner is None:
+            return None
+        storage = inner
+    return storage
+
+
+def test_large_object(backend: Backend) -> None:
+    """Big enough to go up in parts (multipart upload on S3, parts of 5 MiB, S3's least)."""
+    storage = backend.storage
+    fsspec_backend = _fsspec_of(storage)
+    if fsspec_backend is not None:
+        fsspec_backend.part_size = 5 << 20
+    data = _payload(12 << 20, seed=5)
     half = len(data) // 2
     storage.put("objects/ff/big", [memoryview(data)[:half], memoryview(data)[half:]])
     assert storage.stat("objects/ff/big") == len(data)
@@ -158,6 +196,10 @@ def test_large_object(storage: Storage) -> None:
     out = bytearray(1 << 20)
     storage.read_into("objects/ff/big", 3 << 20, memoryview(out))
     assert out == data[3 << 20 : 4 << 20]
+    if backend.name in S3_BACKENDS:
+        assert fsspec_backend is not None
+        etag = fsspec_backend.fs.info(fsspec_backend._path("objects/ff/big"))["ETag"]
+        assert etag.strip('"').endswith("-3"), f"not a 3-part upload: ETag {etag}"
 
 
 # -- missing keys and short objects ------------------------------------------------------------
@@ -279,6 +321,148 @@ def test_concurrent_identical_puts(storage: Storage) -> None:
             f.result()
     assert storage.get("objects/ab/same") == data
     assert list(storage.list("")) == ["objects/ab/same"]
+
+
+# -- conditional creates (the writer generations that fence a superseded job) ----------------
+
+
+def test_conditional_create(storage: Storage) -> None:
+    assert storage.put_if_absent("lease/gen-000000000001", b"first") is True
+    assert storage.put_if_absent("lease/gen-000000000001", b"second") is False
+    assert storage.get("lease/gen-000000000001") == b"first"
+    storage.put("objects/ab/plain", b"plain")
+    assert storage.put_if_absent("objects/ab/plain", b"other") is False
+    assert storage.get("objects/ab/plain") == b"plain"
+
+
+def test_concurrent_conditional_creates_have_one_winner(storage: Storage) -> None:
+    """N creators of one key at once: exactly one gets True and its bytes are stored; every
+    other gets False, never an error (a raw error would abort a job's lease take)."""
+    creators = 8
+    for round_ in range(3):
+        key = f"lease/gen-{round_ + 1:012d}"
+        gate = threading.Barrier(creators)
+
+        def create(i: int, key: str = key, gate: threading.Barrier = gate) -> bool:
+            gate.wait(timeout=30)
+            return storage.put_if_absent(key, f"creator {i}".encode())
+
+        with ThreadPoolExecutor(creators) as pool:
+            won = [f.result() for f in [pool.submit(create, i) for i in range(creators)]]
+        assert won.count(True) == 1, won
+        assert storage.get(key) == f"creator {won.index(True)}".encode()
+
+
+def test_retried_operations_are_idempotent(storage: Storage) -> None:
+    """Each operation done, then its answer lost (a reset connection), then retried: the
+    result is what one call gives. A create whose first answer was lost still wins once."""
+    from trainsnap.storage.retry import RetryingStorage
+
+    raw = getattr(storage, "inner", storage)
+    lossy = RetryingStorage(_LoseFirstAnswer(raw), base_delay=0.001)
+    data = _payload(5000, seed=12)
+    lossy.put("objects/ab/retried", data)
+    assert lossy.get("objects/ab/retried") == data
+    assert lossy.stat("objects/ab/retried") == 5000
+    assert lossy.put_if_absent("lease/gen-000000000007", b"mine") is True
+    assert lossy.put_if_absent("lease/gen-000000000007", b"theirs") is False
+    assert storage.get("lease/gen-000000000007") == b"mine"
+    lossy.delete("objects/ab/retried")
+    with pytest.raises(FileNotFoundError):
+        storage.stat("objects/ab/retried")
+    assert sorted(lossy.list("")) == ["lease/gen-000000000007"]
+    assert lossy.inner.lost >= 6
+
+
+class _LoseFirstAnswer:
+    """Does each operation, then raises ``ConnectionResetError`` instead of answering, every
+    other call: what a client sees when the connection drops after the server acted."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner, self.url = inner, inner.url
+        self.readinto_is_zero_copy = inner.readinto_is_zero_copy
+        self.lost = 0
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        method = getattr(self.inner, name)
+
+        def call(*args: object) -> object:
+            result = method(*args)
+            if name == "list":
+                result = list(result)  # type: ignore[call-overload]
+            if self.lost % 2 == 0 and name != "get":
+                self.lost += 1
+                raise ConnectionResetError(f"{name}: connection reset after the server acted")
+            self.lost += 1 if name != "get" else 0
+            return result
+
+        return call
+
+
+# -- "folders" -----------------------------------------------------------------------------
+
+
+def test_folder_entries_are_not_keys(backend: Backend) -> None:
+    """A "folder" (a directory; a zero-byte ``prefix/`` object that consoles create) is never
+    listed as a key, and is never an object."""
+    storage = backend.storage
+    _fill(storage, LAYOUT)
+    backend.make_folder("snapshots/step-000000000005-cccccccc")
+    backend.make_folder("objects/ee")
+    assert sorted(storage.list("")) == sorted(LAYOUT)
+    assert sorted(storage.list("snapshots/")) == sorted(LAYOUT[4:])
+    assert list(storage.list("snapshots/step-000000000005-cccccccc/")) == []
+    assert list(storage.list("objects/ee/")) == []
+    with pytest.raises(FileNotFoundError):
+        storage.stat("snapshots/step-000000000005-cccccccc")
+
+
+def test_listing_after_deleting_everything_under_a_prefix(storage: Storage) -> None:
+    """Some servers (SeaweedFS) keep listing ``prefix/`` once its last object is deleted; it
+    must not come back as a key (a deleted snapshot would look interrupted)."""
+    _fill(storage, LAYOUT)
+    for key in LAYOUT[4:]:
+        storage.delete(key)
+    assert list(storage.list("snapshots/")) == []
+    assert list(storage.list("snapshots/step-000000000003-aaaaaaaa/")) == []
+    assert sorted(storage.list("")) == sorted(LAYOUT[:4])
+    for key in LAYOUT[:4]:
+        storage.delete(key)
+    assert list(storage.list("")) == []
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_backend_errors_are_builtins(backend: Backend, tmp_path: Path) -> None:
+    """A store that cannot do what is asked says so with an ``OSError`` (a missing key with a
+    ``FileNotFoundError``), never with its client library's own exception type."""
+    if backend.name == "memory":
+        pytest.skip("the memory store has no failure but a missing key (tested above)")
+    if backend.name == "posix":
+        (tmp_path / "a-file").write_bytes(b"x")
+        broken: Storage = PosixStorage(tmp_path / "a-file" / "root")
+    else:  # nothing listens there: the client library fails to connect, in its own way
+        from trainsnap.testing.harness import free_port
+
+        unreachable = f"http://127.0.0.1:{free_port()}"
+        broken = open_storage(
+            "s3://bucket/run",
+            endpoint_url=unreachable,
+            retries=1,
+            config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        )
+        broken = getattr(broken, "inner", broken)  # no retries: the first error is the one
+    operations: list[Callable[[], object]] = [
+        lambda: broken.put("objects/ab/x", b"x"),
+        lambda: broken.put_if_absent("lease/gen-000000000001", b"x"),
+        lambda: broken.get("objects/ab/x"),
+        lambda: broken.stat("objects/ab/x"),
+    ]
+    for op in operations:
+        with pytest.raises(OSError) as caught:
+            op()
+        assert type(caught.value).__module__ == "builtins", repr(caught.value)
 
 
 # -- key validation ----------------------------------------------------------------------------

@@ -119,11 +119,18 @@ class CheckpointManager:
         self.local_policies = as_save_policies(local.interval if local else None)
         self.weights_policies = as_save_policies(options.weights_interval)
         self.retention = as_retention(retention)
-        self.durable = Tier("durable", self.storage, self.retention)
+        self.durable = Tier(
+            "durable", self.storage, self.retention, single_writer=options.single_writer
+        )
         self.local: Tier | None = None
         if local is not None:
             local_storage = open_local(local.root, local.node, local.partner, storage_options)
-            self.local = Tier("local", local_storage, as_retention(local.retention))
+            self.local = Tier(
+                "local",
+                local_storage,
+                as_retention(local.retention),
+                single_writer=options.single_writer,
+            )
         self.async_save = async_save
         self.comm: Comm = comm_for(options.coordinator, options.timeout)
         self.saver = AsyncSaver(

@@ -2,7 +2,9 @@
 
 Generations: a job that opens a root for writing creates ``lease/gen-<N+1>`` (create-if-absent,
 so two jobs starting at once get different numbers) and takes over at once, never waiting for
-the previous holder, which may be dead. Before each commit the writer checks that no newer
+the previous holder, which may be dead. That numbering holds only if the store refuses a create of
+an existing key, so the first take of a root in a process checks it does (:func:`check_fencing`)
+and refuses a store that ignores the condition. Before each commit the writer checks that no newer
 generation exists: a writer that survived its own replacement (a zombie after a preemption or a
 partition) can never commit once a newer one took over. ``close()`` writes
 ``lease/released-<N>``: the collector then knows that no writer is active.
@@ -19,16 +21,18 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from trainsnap.errors import CommitFailedError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
 _GEN = "lease/gen-"
 _REL = "lease/released-"
+_PROBE = "lease/probe-"
 
 
 def _gens(storage: Storage) -> list[int]:
@@ -80,8 +84,14 @@ class Lease:
     generation: int
 
     @staticmethod
-    def take(storage: Storage) -> Lease:
-        """Take the root over now: the next free generation is ours."""
+    def take(storage: Storage, *, single_writer: bool = False) -> Lease:
+        """Take the root over now: the next free generation is ours.
+
+        First checks that the store honours conditional creates (:func:`check_fencing`); a
+        store that does not is refused with an :class:`InvalidArgumentError`, unless
+        ``single_writer`` (the caller promises that no two jobs ever write this root at once)
+        makes that a warning."""
+        check_fencing(storage, single_writer=single_writer)
         g = current_generation(storage) + 1
         owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
         while not storage.put_if_absent(f"{_GEN}{g:012d}", owner.encode()):
@@ -109,6 +119,42 @@ class Lease:
         must not decide what is garbage from it."""
         body = json.dumps({"newest": newest, "time": time.time()}).encode()
         self.storage.put(f"{_REL}{self.generation:012d}", body)
+
+
+def check_fencing(storage: Storage, *, single_writer: bool = False) -> None:
+    """Check that ``storage`` refuses to create a key that exists, on a scratch key of its own
+    (``lease/probe-<random>``, deleted after): create it, try to create it again with other
+    bytes, read it back. Generations fence a superseded writer only on a store that does; an
+    old S3 gateway or an S3-compatible appliance that ignores ``If-None-Match`` would let two
+    jobs take the same generation and both commit.
+
+    Raises :class:`InvalidArgumentError` naming the store and the fix when it does not, unless
+    ``single_writer``, which logs a warning instead. Four requests."""
+    key = f"{_PROBE}{uuid.uuid4().hex}"
+    first, second = b"conditional-create probe: first", b"conditional-create probe: second"
+    try:
+        created = storage.put_if_absent(key, first)
+        refused = not storage.put_if_absent(key, second)
+        kept = bytes(storage.get(key)) == first
+    finally:
+        storage.delete(key)
+    if created and refused and kept:
+        return
+    problem = (
+        f"{storage.url} does not honour conditional creates (a create of the existing key "
+        f"{key} {'was accepted' if not refused else 'changed it'}): trainsnap cannot fence a "
+        "superseded writer there, so two jobs writing this root at once could both commit."
+    )
+    if single_writer:
+        log.warning("%s Accepted because single_writer=True.", problem)
+        return
+    raise InvalidArgumentError(
+        f"{problem} Use a store that supports conditional writes (on S3: PUT with "
+        "If-None-Match: *), or, if no two jobs will ever write this root at once, accept the "
+        "risk with ManagerOptions(single_writer=True).",
+        path=storage.url,
+        key=key,
+    )
 
 
 # -- the restart log ------------------------------------------------------------------------------

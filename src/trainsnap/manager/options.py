@@ -43,6 +43,10 @@ class ManagerOptions:
     """The rank that plans and commits."""
     timeout: float | None = None
     """Longest wait, in seconds, for the other ranks in an exchange (None: the default)."""
+    single_writer: bool = False
+    """Accept a store that ignores conditional creates (the manager refuses one otherwise):
+    a superseded writer is then not fenced off, so only set it when no two jobs ever write
+    the root at once."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:

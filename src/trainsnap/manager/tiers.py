@@ -183,9 +183,10 @@ class Tier:
     lease: lease.Lease | None = None
     newest: str | None = None
     newest_step: int | None = None
+    single_writer: bool = False
 
     def start(self) -> None:
-        self.lease = lease.Lease.take(self.storage)
+        self.lease = lease.Lease.take(self.storage, single_writer=self.single_writer)
         found = commit.list_committed(self.storage)
         if found:
             self.newest_step = found[-1].step

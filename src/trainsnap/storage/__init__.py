@@ -3,7 +3,10 @@
 ``open_storage("/data/run1")`` and ``open_storage("file:///data/run1")`` give a POSIX root,
 ``memory://name`` an in-process fsspec root, ``s3://bucket/prefix`` an S3 root (``pip install
 trainsnap[s3]``; the endpoint comes from ``endpoint_url=`` or the ``AWS_ENDPOINT_URL``
-environment variable, credentials the usual AWS way). :func:`register` adds a scheme.
+environment variable, credentials the usual AWS way), ``gs://bucket/prefix`` a Google Cloud
+Storage root through gcsfs (``trainsnap[gs]``) and ``az://container/prefix`` an Azure Blob root
+through adlfs (``trainsnap[az]``; options such as ``account_name`` go to the file system).
+:func:`register` adds a scheme.
 """
 
 from __future__ import annotations
@@ -78,15 +81,46 @@ def _s3(url: str, options: dict[str, Any]) -> Storage:
     return FsspecStorage(fs, f"{parsed.netloc}{parsed.path}".rstrip("/"), url)
 
 
+def _fsspec_scheme(module: str, extra: str, protocol: str) -> Factory:
+    """A factory of roots on the fsspec file system ``protocol`` from ``module`` (the extra
+    ``extra`` installs it); the first segment of the URL is the bucket or container."""
+
+    def factory(url: str, options: dict[str, Any]) -> Storage:
+        try:
+            __import__(module)
+        except ImportError as e:
+            raise InvalidArgumentError(
+                f"root {url!r} needs {module}, which is not installed: "
+                f"pip install 'trainsnap[{extra}]'",
+                path=url,
+            ) from e
+        import fsspec
+
+        from trainsnap.storage.fsspec import FsspecStorage
+
+        parsed = urlparse(url)
+        if not parsed.netloc:
+            raise InvalidArgumentError(
+                f"root {url!r} names no bucket or container ({parsed.scheme}://name/prefix)",
+                path=url,
+            )
+        fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+        return FsspecStorage(fs, f"{parsed.netloc}{parsed.path}".rstrip("/"), url)
+
+    return factory
+
+
 register("", _posix)
 register("file", _posix)
 register("memory", _memory)
 register("s3", _s3)
+register("gs", _fsspec_scheme("gcsfs", "gs", "gcs"))
+register("az", _fsspec_scheme("adlfs", "az", "az"))
 
 
 Root = str | os.PathLike[str] | Storage
-"""Where a run keeps its snapshots: a path, a URL (``file://``, ``s3://``, ``memory://``) or a
-storage."""
+"""Where a run keeps its snapshots: a path, a URL (``file://``, ``s3://``, ``gs://``, ``az://``,
+``memory://``) or a storage."""
 
 
 def open_storage(root: Root, **options: Any) -> Storage:

@@ -8,11 +8,14 @@ what is stored now.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from trainsnap.storage.base import Buffer, ShortReadError, as_buffers, check_key, check_prefix
+
+log = logging.getLogger(__name__)
 
 REFRESH_AFTER = 300.0
 """Seconds after which a reused object is rewritten to refresh its modification time."""
@@ -25,6 +28,9 @@ class FsspecStorage:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self.part_size: int | None = None
+        """Bytes per part of a multipart upload (s3fs: an object of two parts or more is
+        uploaded in parts); None leaves the file system's default (50 MiB on s3fs)."""
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -36,8 +42,9 @@ class FsspecStorage:
         bufs = as_buffers(data)
         payload = bytes(bufs[0]) if len(bufs) == 1 else b"".join(bufs)
         path = self._path(key)  # outside the try: a bad key stays InvalidArgumentError
+        sizing = {} if self.part_size is None else {"chunksize": self.part_size}
         try:
-            self.fs.pipe_file(path, payload)
+            self.fs.pipe_file(path, payload, **sizing)
         except OSError:
             raise
         except Exception as e:  # botocore and friends: keep the cause, give callers an OSError
@@ -86,16 +93,23 @@ class FsspecStorage:
         return int(info["size"])
 
     def list(self, prefix: str) -> Iterator[str]:
+        """Keys of objects under ``prefix``. A "folder" is never a key: neither a zero-byte
+        ``dir/`` object (what consoles and some tools create), nor the ``dir/`` entry some
+        servers (SeaweedFS) keep listing after every object under it was deleted -- yielding it
+        would make a deleted snapshot look like an interrupted one."""
         base = f"{self.root}/{check_prefix(prefix)}" if prefix else f"{self.root}/"
         self.fs.invalidate_cache(self.root)
         try:
-            found = self.fs.find(base.rstrip("/"))
+            found = self.fs.find(base.rstrip("/"), detail=True)
         except FileNotFoundError:
             return
         strip = self._strip_prefix()
-        for p in found:
-            if p.startswith(strip):
-                yield p[len(strip) :]
+        for p, info in found.items():
+            if info.get("type") == "directory" or p.endswith("/") or not p.startswith(strip):
+                continue
+            key = p[len(strip) :]
+            if key:
+                yield key
 
     def _strip_prefix(self) -> str:
         stripped: str = self.fs._strip_protocol(self.root)
@@ -107,18 +121,39 @@ class FsspecStorage:
             self.fs.rm_file(path)
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
+        """Create ``key`` only if absent (``If-None-Match: *`` on S3); False when it existed.
+
+        A refusal is read from the answer itself (412 ``PreconditionFailed``, whatever error
+        the client library made of it: s3fs turns a 412 whose body lacks the field it looks for
+        into ``OSError(EINVAL)``). Any other failure is ambiguous -- the request may or may not
+        have created the key -- and is settled by asking for the key: present means False
+        (a win is never assumed: the key may be another creator's), absent means the error is
+        raised, as an ``OSError``. O(1) requests."""
         path = self._path(key)
         try:
             self.fs.pipe_file(path, bytes(memoryview(data).cast("B")), mode="create")
         except FileExistsError:
             return False
-        except OSError:
-            raise
         except Exception as e:
-            if "PreconditionFailed" in repr(e) or "412" in str(e):
+            if _precondition_failed(e):
                 return False
-            raise OSError(f"put_if_absent {self.url}/{key} failed: {e}") from e
+            return self._settle_create(key, e)
         return True
+
+    def _settle_create(self, key: str, error: Exception) -> bool:
+        try:
+            self.stat(key)
+        except FileNotFoundError:
+            if isinstance(error, OSError):
+                raise error from None
+            raise OSError(f"put_if_absent {self.url}/{key} failed: {error!r}") from error
+        log.warning(
+            "create of %s/%s failed (%r) but the key exists: counted as not created",
+            self.url,
+            key,
+            error,
+        )
+        return False
 
     def mtime(self, key: str) -> float:
         info = self.fs.info(self._path(key))
@@ -136,3 +171,23 @@ class FsspecStorage:
         it was written recently enough for any collector's grace period."""
         if time.time() - self.mtime(key) > REFRESH_AFTER:
             self.put(key, data)
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is the server's answer that a
+    precondition did not hold: HTTP 412, or the ``PreconditionFailed`` error code."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        for field in ("status", "code", "status_code"):  # gcsfs HttpError, azure's errors
+            if getattr(current, field, None) == 412:
+                return True
+        current = current.__cause__ or current.__context__
+    return False

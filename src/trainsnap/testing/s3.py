@@ -99,11 +99,7 @@ class LoopbackS3:
         )
         from werkzeug.serving import make_server
 
-        for name in (*FAKE_CREDENTIALS, *CLEARED):
-            self._saved_env[name] = os.environ.get(name)
-        os.environ.update(FAKE_CREDENTIALS)
-        for name in CLEARED:
-            os.environ.pop(name, None)
+        self._saved_env = use_test_credentials()
 
         class Quiet(MotoRequestHandler):
             def log_request(self, *args: Any) -> None:
@@ -136,12 +132,26 @@ class LoopbackS3:
         if self._thread is not None:
             self._thread.join()
         self._server = self._thread = None
-        for name, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        restore_environment(self._saved_env)
         self._saved_env = {}
+
+
+def use_test_credentials() -> dict[str, str | None]:
+    """Put the fake credentials in this process's environment (its children inherit them) and
+    clear what would override them; returns what was there, for :func:`restore_environment`."""
+    saved = {name: os.environ.get(name) for name in (*FAKE_CREDENTIALS, *CLEARED)}
+    os.environ.update(FAKE_CREDENTIALS)
+    for name in CLEARED:
+        os.environ.pop(name, None)
+    return saved
+
+
+def restore_environment(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def served(served_url: str) -> int:

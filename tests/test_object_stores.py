@@ -1,0 +1,194 @@
+"""trainsnap on real object stores: writer fencing under contention on a real S3 server
+(SeaweedFS), delete-then-load there, and the conditional-create probe that refuses a store which
+ignores preconditions (``rclone serve s3``, and a wrapper store that does the same)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import trainsnap as ts
+from s3_fixture import S3Root
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, NotFoundError
+from trainsnap.manager.lease import Lease, check_fencing
+from trainsnap.storage import Storage, open_storage
+from trainsnap.storage.base import Buffer
+from trainsnap.testing import assert_all_ok, run_ranks
+
+TAKERS = 4
+ROUNDS = 40
+
+
+def _take_rounds(rank: int, world: int, url: str, endpoint: str, rounds: int) -> list[Any]:
+    """Each round: every rank takes the root at the same moment, then asks whether it may
+    commit. Returns, per round, (generation taken, may commit) or the error it got."""
+    import torch.distributed as dist
+
+    storage = open_storage(url, endpoint_url=endpoint)
+    out: list[Any] = []
+    for _ in range(rounds):
+        dist.barrier()
+        try:
+            lease = Lease.take(storage)
+        except Exception as e:  # recorded, not raised: the test names every one
+            out.append(("error", f"{type(e).__name__}: {e}"))
+            dist.barrier()
+            continue
+        dist.barrier()  # every take of this round is done before anyone checks
+        try:
+            lease.check()
+            out.append((lease.generation, True))
+        except CommitFailedError:
+            out.append((lease.generation, False))
+    return out
+
+
+def _owners(storage: Storage) -> dict[int, int]:
+    import json
+
+    owners = {}
+    for key in storage.list("lease/"):
+        if key.startswith("lease/gen-"):
+            owners[int(key.removeprefix("lease/gen-"))] = json.loads(storage.get(key))["pid"]
+    return owners
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_concurrent_takes_on_seaweedfs_fence_one_writer(seaweed_root: S3Root) -> None:
+    """4 processes take one root at once, 40 rounds: every take wins a generation of its own
+    (a lost create moves on to the next number, never raises), and exactly one taker per round
+    -- the newest -- may commit."""
+    results = assert_all_ok(
+        run_ranks(
+            _take_rounds,
+            TAKERS,
+            args=(seaweed_root.url, seaweed_root.endpoint, ROUNDS),
+            timeout=280,
+        )
+    )
+    errors = [(rank, r) for rank, rounds in enumerate(results) for r in rounds if r[0] == "error"]
+    assert errors == [], f"{len(errors)} of {TAKERS * ROUNDS} takes raised: {errors[:5]}"
+    taken: list[int] = []
+    for round_ in range(ROUNDS):
+        gens = [results[rank][round_][0] for rank in range(TAKERS)]
+        committers = [rank for rank in range(TAKERS) if results[rank][round_][1]]
+        assert len(set(gens)) == TAKERS, f"round {round_}: a generation taken twice: {gens}"
+        assert len(committers) == 1, f"round {round_}: may commit: {committers} of {gens}"
+        assert gens[committers[0]] == max(gens)
+        taken += gens
+    assert len(set(taken)) == TAKERS * ROUNDS
+    # The newest generations still stored name the process that took each.
+    storage = seaweed_root.open()
+    owners = _owners(storage)
+    assert owners, "no generation left on the root"
+    pids = {pid for pid in owners.values()}
+    assert len(pids) <= TAKERS
+    assert list(storage.list("lease/probe-")) == []
+
+
+@pytest.mark.s3
+def test_delete_then_load_is_not_found_on_seaweedfs(seaweed_root: S3Root) -> None:
+    """SeaweedFS keeps listing ``snapshots/<id>/`` after its last object is gone; the deleted
+    snapshot must be gone, not "interrupted"."""
+    storage = seaweed_root.open()
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    info = ts.save(state, storage, step=5)
+    ts.delete(storage, info.id)
+    assert ts.list_snapshots(storage) == []
+    with pytest.raises(NotFoundError, match=info.id):
+        ts.load({"w": torch.zeros(3, 4)}, storage, snapshot=info.id)
+    with pytest.raises(NotFoundError):
+        ts.delete(storage, info.id)
+
+
+# -- the conditional-create probe --------------------------------------------------------------
+
+
+class IgnoresPreconditions:
+    """A store whose conditional create is a plain overwrite that reports success: what an
+    S3 gateway without ``If-None-Match`` support does."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner, self.url = inner, inner.url
+        self.readinto_is_zero_copy = inner.readinto_is_zero_copy
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        self.inner.put(key, data)
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def rclone_root() -> Iterator[Storage]:
+    """A fresh root on ``rclone serve s3`` (which ignores preconditions)."""
+    pytest.importorskip("s3fs")
+    from trainsnap.testing.rclone import RcloneS3, ServerUnavailable, rclone_binary
+
+    try:
+        rclone_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"rclone S3 server unavailable: {e}")
+    with RcloneS3() as server:
+        yield open_storage(server.url("run"), **server.options)
+
+
+def _refused(storage: Storage) -> InvalidArgumentError:
+    with pytest.raises(InvalidArgumentError) as caught:
+        Lease.take(storage)
+    error = caught.value
+    assert storage.url in str(error)
+    assert "single_writer=True" in str(error)
+    assert error.path == storage.url
+    assert [k for k in storage.list("lease/") if k.startswith("lease/gen-")] == []
+    return error
+
+
+@pytest.mark.s3
+def test_probe_refuses_rclone_s3(rclone_root: Storage, caplog: pytest.LogCaptureFixture) -> None:
+    assert rclone_root.put_if_absent("probe-check", b"1") is True
+    assert rclone_root.put_if_absent("probe-check", b"2") is True  # the store ignores it
+    rclone_root.delete("probe-check")
+    _refused(rclone_root)
+    with caplog.at_level(logging.WARNING, logger="trainsnap"):
+        lease = Lease.take(rclone_root, single_writer=True)
+    assert lease.generation == 1
+    assert "does not honour conditional creates" in caplog.text
+    assert [k for k in rclone_root.list("lease/") if k.startswith("lease/probe-")] == []
+
+
+def test_probe_refuses_a_store_that_ignores_preconditions(tmp_path: Any) -> None:
+    storage = open_storage(IgnoresPreconditions(open_storage(tmp_path / "root")))
+    _refused(storage)
+    with pytest.raises(InvalidArgumentError, match="does not honour"):
+        ts.CheckpointManager(storage, interval=ts.Every(steps=1), async_save=False)
+    manager = ts.CheckpointManager(
+        storage,
+        interval=ts.Every(steps=1),
+        async_save=False,
+        options=ts.ManagerOptions(single_writer=True, preemption_signals=()),
+    )
+    state = {"w": torch.ones(2)}
+    manager.step(0, state)
+    manager.close()
+    assert [s.step for s in ts.list_snapshots(storage)] == [0]
+
+
+@pytest.mark.parametrize("kind", ["posix", "memory"])
+def test_probe_accepts_stores_that_honour_preconditions(tmp_path: Any, kind: str) -> None:
+    url = str(tmp_path / "root") if kind == "posix" else f"memory://probe-{os.getpid()}-{kind}"
+    storage = open_storage(url)
+    check_fencing(storage)
+    assert Lease.take(storage).generation == 1
+    assert Lease.take(storage).generation == 2
+    assert sorted(storage.list("lease/")) == [
+        "lease/gen-000000000001",
+        "lease/gen-000000000002",
+    ]
