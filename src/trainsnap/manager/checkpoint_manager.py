@@ -51,11 +51,9 @@ from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import load
+from trainsnap.api.snapshots import agree_damage, load
 from trainsnap.errors import (
     CommitFailedError,
-    CorruptError,
-    IncompleteError,
     InvalidArgumentError,
     NotFoundError,
     TrainsnapError,
@@ -318,18 +316,12 @@ class CheckpointManager:
         )
 
     def _agree_fallback(self, error: TrainsnapError) -> bool:
-        """Fall back to an older snapshot only if every rank's failure is damage to this one
-        (corrupt or incomplete data, another rank's failure); a state that does not fit, a level
-        the snapshot cannot give or a newer format would not fit an older snapshot either, and
-        silently resuming from further back would lose progress. Every rank decides alike."""
-        damage = isinstance(error, CorruptError | IncompleteError | CommitFailedError)
-        session = self.comm.session("fallback")
-        try:
-            votes = session.gather("vote", damage)
-            verdict = None if votes is None else all(votes)
-            return bool(session.broadcast("verdict", verdict))
-        finally:
-            session.close()
+        """Fall back to an older snapshot only if every rank's failure is damage to this one,
+        by the rule ``ts.load`` applies to ``"latest"`` (:func:`trainsnap.api.snapshots.load`);
+        a state that does not fit, a level the snapshot cannot give or a newer format would not
+        fit an older snapshot either, and silently resuming from further back would lose
+        progress. Every rank decides alike."""
+        return agree_damage(self.comm, error)
 
     def _candidates(
         self, state: Any, level: str, allow_downgrade: bool
