@@ -32,6 +32,7 @@ def _run_two_tiers(local: Path, remote: Path, steps: int) -> ts.CheckpointManage
     )
     for s in range(1, steps + 1):
         mgr.step(s, _state(s))
+    mgr.wait()  # promotion and retention run in the background, even for synchronous saves
     return mgr
 
 

@@ -38,6 +38,10 @@ class SaveHandle:
         self._pending = pending
         self._saver = saver
         self._done = threading.Event()
+        """Set once the outcome is known and every done callback has run."""
+        self._outcome = threading.Event()
+        """Set once the outcome is known (the callbacks run after it)."""
+        self._finisher: int | None = None
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
         self._observed = False
@@ -45,16 +49,22 @@ class SaveHandle:
         self._callbacks_lock = threading.Lock()
         self.snapshot_id = pending.snapshot_id if pending else ""
         self.step = pending.opts.step if pending else -1
-        self.pause = pending.pause if pending else 0.0
+        self.pause = pending.waited + pending.pause if pending else 0.0
         """Seconds the caller was blocked by this save (waiting for earlier saves included)."""
 
     def done(self) -> bool:
-        """Whether the save finished (committed or failed)."""
-        return self._done.is_set()
+        """Whether the save finished (committed or failed) and its done callbacks ran (within
+        a done callback: whether the outcome is known, which it is)."""
+        if self._done.is_set():
+            return True
+        return self._outcome.is_set() and self._finisher == threading.get_ident()
 
     def wait(self, timeout: float | None = None) -> SnapshotInfo:
-        """Block until committed; return the snapshot or raise why it was not committed."""
-        if not self._done.wait(timeout):
+        """Block until committed and every done callback added before that has run; return
+        the snapshot or raise why it was not committed. Called from a done callback, returns
+        as soon as the outcome is known."""
+        own = self._finisher == threading.get_ident()
+        if not (self._outcome if own else self._done).wait(timeout):
             raise TimeoutError(f"save of snapshot {self.snapshot_id} still running")
         self._observed = True
         if self._error is not None:
@@ -64,9 +74,9 @@ class SaveHandle:
 
     def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
         """Call ``fn(handle)`` once the save finished (committed or failed), on the thread that
-        finished it, or at once if it already has. ``fn`` may call :meth:`wait` to learn the
-        outcome; an exception it raises is logged, never lost silently, and does not change the
-        save's outcome."""
+        finished it and before :meth:`wait` returns and :meth:`done` is true, or at once if it
+        already has. ``fn`` may call :meth:`wait` to learn the outcome; an exception it raises
+        is logged, never lost silently, and does not change the save's outcome."""
         with self._callbacks_lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
@@ -93,11 +103,16 @@ class SaveHandle:
         finally:
             if self._pending.lease is not None:
                 pool.release(self._pending.lease)
-            with self._callbacks_lock:
-                self._done.set()
-                callbacks, self._callbacks = self._callbacks, []
-            for fn in callbacks:
-                self._call(fn)
+            self._finisher = threading.get_ident()
+            self._outcome.set()
+            while True:  # callbacks added while these run are run too, before done
+                with self._callbacks_lock:
+                    callbacks, self._callbacks = self._callbacks, []
+                    if not callbacks:
+                        self._done.set()
+                        break
+                for fn in callbacks:
+                    self._call(fn)
 
 
 class AsyncSaver:
@@ -123,13 +138,13 @@ class AsyncSaver:
 
     def in_flight(self) -> int:
         with self._lock:
-            return sum(1 for h in self._inflight if not h.done())
+            return sum(1 for h in self._inflight if not h._outcome.is_set())
 
     def _reap(self, raise_errors: bool) -> None:
         """Drop finished saves; raise the first unobserved background error."""
         with self._lock:
-            finished = [h for h in self._inflight if h.done()]
-            self._inflight = deque(h for h in self._inflight if not h.done())
+            finished = [h for h in self._inflight if h._outcome.is_set()]
+            self._inflight = deque(h for h in self._inflight if not h._outcome.is_set())
         if raise_errors:
             for h in finished:
                 if h._error is not None and not h._observed:
@@ -153,11 +168,12 @@ class AsyncSaver:
                 )
                 return None
             with self._lock:
-                oldest = next(h for h in self._inflight if not h.done())
-            oldest._done.wait()
+                oldest = next(h for h in self._inflight if not h._outcome.is_set())
+            oldest._outcome.wait()
             self._reap(raise_errors=True)
+        waited = time.perf_counter() - t0
         pending = prepare_save(state, storage, opts, comm, pool=self.pool)
-        pending.pause = time.perf_counter() - t0
+        pending.waited = waited
         handle = SaveHandle(pending, self)
         with self._lock:
             self._inflight.append(handle)

@@ -14,16 +14,24 @@ from typing import Any
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
 from trainsnap.engine.gc_pause import paused_gc
-from trainsnap.errors import InvalidArgumentError, NotFoundError, TrainsnapError
+from trainsnap.errors import (
+    CommitFailedError,
+    CorruptError,
+    IncompleteError,
+    InvalidArgumentError,
+    NotFoundError,
+    TrainsnapError,
+)
 from trainsnap.format.manifest import LEVELS
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
-from trainsnap.protocol.control_plane import LocalComm, comm_for
+from trainsnap.protocol.control_plane import Comm, LocalComm, comm_for
 from trainsnap.protocol.load_protocol import run_load
 from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, open_storage
+from trainsnap.storage.base import Storage
 
 log = logging.getLogger("trainsnap.load")
 
@@ -110,17 +118,99 @@ def load(
     containers; a key the snapshot lacks is an error, keys it does not ask for are ignored.
     ``level`` is the resume level required; a snapshot that cannot give it is refused unless
     ``allow_downgrade``, and the returned info's ``level`` is the level reached.
+
+    ``"latest"`` is the newest committed snapshot that loads: when every rank's failure is
+    damage to it (a corrupt or truncated object, a missing block: ``CorruptError``,
+    ``IncompleteError``, or another rank's such failure), a warning names it and its damage and
+    the previous one is loaded instead, and so on; a snapshot whose marker or manifest is broken
+    is not committed and never tried. Damage is found before anything but tensors is touched
+    (values and stateful objects are applied once every block verified), and the older snapshot
+    fills every key the state asks for again, so nothing of the damaged one remains. A failure
+    that is not damage (a state that does not fit, a level not given) is raised at once: an
+    older snapshot would not fit either. When none loads, the newest one's error is raised and
+    the state's tensors are unusable until a load succeeds. A named id never falls back.
     """
     if level not in LEVELS:
         raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
-    started = time.perf_counter()
     storage = open_storage(root, **dict(storage_options or {}))
+    comm = comm_for(coordinator, timeout)
+    candidates = [snapshot] if snapshot != "latest" else _newest_first(storage, comm)
+    first: TrainsnapError | None = None
+    for i, sid in enumerate(candidates):
+        try:
+            return _load_one(state, storage, sid, comm, level, allow_downgrade, allow_pickle)
+        except TrainsnapError as e:
+            if snapshot != "latest" or not agree_damage(comm, e):
+                raise
+            if i == len(candidates) - 1:
+                if first is None:
+                    raise
+                raise first from e  # the newest snapshot's damage; e: the oldest one's
+            first = first or e
+            log.warning(
+                "the latest snapshot %s of %s is damaged, loading the previous one (%s): %s",
+                sid,
+                storage.url,
+                candidates[i + 1],
+                e,
+            )
+    raise AssertionError("unreachable: the last candidate raises")
+
+
+def is_damage(error: TrainsnapError) -> bool:
+    """Whether a load failure on this rank is damage to the snapshot (or another rank's
+    failure), the failures after which a load may fall back to an older snapshot."""
+    return isinstance(error, CorruptError | IncompleteError | CommitFailedError)
+
+
+def agree_damage(comm: Comm, error: TrainsnapError) -> bool:
+    """Whether every rank's load failure is damage to the snapshot (corrupt or incomplete
+    data, another rank's failure), decided alike on every rank: only then may a load fall back
+    to an older snapshot. One gather and one broadcast."""
+    session = comm.session("fallback")
+    try:
+        votes = session.gather("vote", is_damage(error))
+        verdict = None if votes is None else all(votes)
+        return bool(session.broadcast("verdict", verdict))
+    finally:
+        session.close()
+
+
+def _newest_first(storage: Storage, comm: Comm) -> list[str]:
+    """(coordinator, shared) the committed snapshots' ids, newest first; NotFoundError when
+    none."""
+    session = comm.session("latest")
+    try:
+        found = None
+        if comm.is_coordinator:
+            found = [c.snapshot_id for c in reversed(commit.list_committed(storage))]
+        ids: list[str] = list(session.broadcast("candidates", found))
+    finally:
+        session.close()
+    if not ids:
+        raise NotFoundError(
+            f"no committed snapshot in {storage.url}; save one first, or check the root",
+            path=storage.url,
+        )
+    return ids
+
+
+def _load_one(
+    state: Any,
+    storage: Storage,
+    snapshot: str,
+    comm: Comm,
+    level: str,
+    allow_downgrade: bool,
+    allow_pickle: PickleKeys,
+) -> SnapshotInfo:
+    started = time.perf_counter()
     with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
         manifest, reached, nread = run_load(
             state,
             storage,
             snapshot,
-            comm_for(coordinator, timeout),
+            comm,
             level=level,
             allow_downgrade=allow_downgrade,
             allow_pickle=allow_pickle,

@@ -3,17 +3,28 @@
 Every rank creates the manager and calls it at the same points of the loop. Decisions are taken
 once and shared, so ranks never disagree about whether a step saves:
 
-* policies that every rank evaluates alike (``Every(steps=N)``) are evaluated locally;
+* policies that every rank evaluates alike (``Every(steps=N)``, a predicate on the step) are
+  evaluated locally, at every step;
 * decisions that depend on a clock, a measurement or a signal (``Every(seconds=T)``,
-  ``YoungDaly``, a predicate, SIGTERM/SIGUSR1 on any rank) are taken at step ``s`` by the rank
-  that sees them and published on the control plane for step ``s + 1``. Every rank checks for
-  the current step's decision at each ``step()``; since ranks of a training job are kept within
-  one step of each other by the training's own collectives, a decision for ``s + 1`` published
-  during step ``s`` is seen by every rank at step ``s + 1``.
+  ``YoungDaly``, SIGTERM/SIGUSR1 on any rank) are taken by the coordinator and published on the
+  control plane at *decision steps*: a sequence the coordinator announces ahead, each decision
+  naming the next one, about ``ManagerOptions.decision_seconds`` of training apart. At a
+  decision step every rank reads the coordinator's decision for it (one store read; the
+  coordinator writes it there); every other step costs no control-plane operation. A rank
+  signalled between decision steps asks for a preemption save once (one store write), and the
+  coordinator includes it in its next decision. Ranks count their ``step()`` calls, so they agree
+  on which call is a decision step whatever the step numbers.
 
-After each committed save the coordinator applies the retention policies (the newest snapshot
-and saves in flight are never deleted; deleting removes the marker first) and collects objects
-no snapshot references, with a grace period for saves in flight.
+After each committed save the coordinator hands the rest to a background worker (its own
+bounded queue; errors are raised by the next ``step()``, ``save()``, ``wait()`` or
+``close()``): record the save, promote it to the durable tier, apply the retention policies (the
+newest snapshot, saves in flight and snapshots waiting for promotion are never deleted;
+deleting removes the marker first), quantise history, and collect. While the manager holds the
+root's lease it is the root's only writer, so objects that no committed snapshot references are
+collected at once, collection pausing while one of its saves is in flight
+(:class:`~trainsnap.manager.housekeeping.SaveGate`); where other writers may exist (the lease was
+taken over) only objects older than ``gc_grace`` go. A save handle is done at its commit, before
+that work; :meth:`CheckpointManager.wait` and :meth:`CheckpointManager.close` wait for it too.
 
 Tiers: with ``local_root``, frequent snapshots (``local_interval``) go to a fast local tier and
 durable ones (``interval``, preemption) are saved there too and then promoted to ``root`` in the
@@ -26,29 +37,30 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
 import signal
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import load
+from trainsnap.api.snapshots import agree_damage, load
 from trainsnap.errors import (
     CommitFailedError,
-    CorruptError,
-    IncompleteError,
     InvalidArgumentError,
     NotFoundError,
     TrainsnapError,
 )
 from trainsnap.format.manifest import Manifest, id_step, level_rank
 from trainsnap.manager import collection, lease, restarts
+from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.options import LocalTier, ManagerOptions
 from trainsnap.manager.policies import (
     StepInfo,
@@ -78,6 +90,8 @@ except (OSError, ValueError, IndexError, StopIteration):
     pass
 
 _manager_seq = itertools.count(1)
+_MAX_WINDOW = 10_000
+"""Most steps between two decision steps, however short the steps."""
 
 
 class CheckpointManager:
@@ -140,7 +154,11 @@ class CheckpointManager:
         )
         self._restored_at: float | None = None
         self._last_progress = -math.inf
-        self._decisions = _Decisions(self.comm, next(_manager_seq))
+        self._decisions = _Decisions(self.comm, next(_manager_seq), options.decision_seconds)
+        self._housekeeper = Housekeeper(options.after_commit_queue)
+        self._gate = SaveGate()
+        self._promoting: set[str] = set()
+        """Snapshots committed on the local tier and waiting for promotion: kept by retention."""
         self._preempt_flag = threading.Event()
         self.preempted = False
         self._closed = False
@@ -305,18 +323,12 @@ class CheckpointManager:
         )
 
     def _agree_fallback(self, error: TrainsnapError) -> bool:
-        """Fall back to an older snapshot only if every rank's failure is damage to this one
-        (corrupt or incomplete data, another rank's failure); a state that does not fit, a level
-        the snapshot cannot give or a newer format would not fit an older snapshot either, and
-        silently resuming from further back would lose progress. Every rank decides alike."""
-        damage = isinstance(error, CorruptError | IncompleteError | CommitFailedError)
-        session = self.comm.session("fallback")
-        try:
-            votes = session.gather("vote", damage)
-            verdict = None if votes is None else all(votes)
-            return bool(session.broadcast("verdict", verdict))
-        finally:
-            session.close()
+        """Fall back to an older snapshot only if every rank's failure is damage to this one,
+        by the rule ``ts.load`` applies to ``"latest"`` (:func:`trainsnap.api.snapshots.load`);
+        a state that does not fit, a level the snapshot cannot give or a newer format would not
+        fit an older snapshot either, and silently resuming from further back would lose
+        progress. Every rank decides alike."""
+        return agree_damage(self.comm, error)
 
     def _candidates(
         self, state: Any, level: str, allow_downgrade: bool
@@ -353,16 +365,34 @@ class CheckpointManager:
         if not self.comm.is_coordinator or self.generation is None:
             return
         if self._restored_at is not None:
-            self._record("first_step", step=step, seconds=now - self._restored_at)
+            seconds = now - self._restored_at
+            first = lambda: self._record("first_step", step=step, seconds=seconds)  # noqa: E731
+            self._housekeeper.submit("recording the first step", first)
             self._restored_at = None
         if now - self._last_progress >= self.options.progress_seconds:
-            lease.record_progress(self.storage, self.generation, step)
-            self._last_progress = now
+            generation = self.generation
+            record = lambda: lease.record_progress(self.storage, generation, step)  # noqa: E731
+            if self._housekeeper.submit("recording progress", record, wait=False):
+                self._last_progress = now
+
+    def _window(self, info: StepInfo) -> int:
+        """(coordinator) Steps to the next decision step: about ``decision_seconds`` of
+        training at the median of the recent step times; 1 before any was measured."""
+        if not info.step_times:
+            return 1
+        step_time = statistics.median(info.step_times[-20:])
+        if step_time <= 0:
+            return _MAX_WINDOW
+        return max(1, min(_MAX_WINDOW, int(self.options.decision_seconds / step_time)))
 
     def step(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> bool:
         """Call after each optimizer step. Saves when a policy (or a preemption) says so;
-        returns True if it saved. After a preemption save, :attr:`preempted` is True."""
+        returns True if it saved. After a preemption save, :attr:`preempted` is True. Raises
+        the error of after-commit work (promotion, retention, collection) that failed since the
+        last call. A step that does not save makes no control-plane operation except at a
+        decision step (see the module docstring)."""
         self._check_open()
+        self._housekeeper.raise_error()
         now = time.monotonic()
         if self._last_step_time is not None:
             self._step_times.append(now - self._last_step_time)
@@ -377,23 +407,19 @@ class CheckpointManager:
             step_times=tuple(self._step_times),
             mtbf_observed=self.observed_mtbf,
         )
-        # Publish decisions for the next step: the coordinator's shared policies, and a
-        # preemption signalled on this rank.
-        at = step if self.comm.world_size == 1 else step + 1
         kinds = (
             ("durable", self.policies),
             ("local", self.local_policies),
             ("weights", self.weights_policies),
         )
         local = {k for k, ps in kinds if any(p.should_save(info) for p in ps if not p.shared)}
-        if self.comm.is_coordinator:
-            for k, ps in kinds:
-                if any(p.should_save(info) for p in ps if p.shared):
-                    self._decisions.publish(at, k)
-        if self._preempt_flag.is_set():
-            self._preempt_flag.clear()
-            self._decisions.publish(at, "preempt")
-        wanted = local | self._decisions.take(step)
+
+        def shared() -> set[str]:
+            return {k for k, ps in kinds if any(p.should_save(info) for p in ps if p.shared)}
+
+        signalled = self._preempt_flag.is_set()
+        self._preempt_flag.clear()
+        wanted = local | self._decisions.take(shared, signalled, self._window(info))
         if not wanted:
             return False
         preempt = "preempt" in wanted
@@ -407,6 +433,7 @@ class CheckpointManager:
             self.preempted = True
             if isinstance(handle, SaveHandle):
                 handle.wait()  # a preempted job must not exit before its save is durable
+            self._housekeeper.drain()  # ... nor before it is promoted to the durable root
             self._record("preempt", step=step)
         return handle is not None
 
@@ -439,27 +466,42 @@ class CheckpointManager:
         target = self.local if self.local is not None else self.durable
         promote_to = self.durable if (tier == "durable" and self.local is not None) else None
         opts.fence = target.fence if self.comm.is_coordinator else None
+        self._housekeeper.raise_error()
+        token = self._gate.begin() if self.comm.is_coordinator else 0
         if self.comm.is_coordinator:
-            opts.on_commit = lambda m, n: self._after_commit(target, promote_to, m, n)
+            opts.on_commit = lambda m, n: self._committed(token, target, promote_to, m, n)
         t0 = time.perf_counter()
-        result: SaveHandle | SnapshotInfo | None
-        if self.async_save:
-            result = self.saver.save(tree, target.storage, opts, self.comm)
-            if result is not None:
-                self._handles.append(result)
-                self._save_costs.append(result.pause)
-        else:
-            r = run_save(tree, target.storage, opts, self.comm)
-            self._save_costs.append(time.perf_counter() - t0)
-            result = r.info(target.storage.url)
+        result: SaveHandle | SnapshotInfo | None = None
+        try:
+            if self.async_save:
+                result = self.saver.save(tree, target.storage, opts, self.comm)
+                if result is not None:
+                    result.add_done_callback(lambda _: self._gate.end(token))
+                    self._handles.append(result)
+                    self._save_costs.append(result.pause)
+            else:
+                r = run_save(tree, target.storage, opts, self.comm)
+                self._save_costs.append(time.perf_counter() - t0)
+                result = r.info(target.storage.url)
+        finally:
+            if not isinstance(result, SaveHandle):
+                self._gate.end(token)
         if result is not None:
             self._last_save_step, self._last_save_time = step, time.monotonic()
         return result
 
-    def _after_commit(
-        self, tier: Tier, promote_to: Tier | None, manifest: Manifest, bytes_written: int
+    def _committed(
+        self,
+        token: int,
+        tier: Tier,
+        promote_to: Tier | None,
+        manifest: Manifest,
+        bytes_written: int,
     ) -> None:
-        """(coordinator, after each commit) record, promote, apply retention, collect."""
+        """(coordinator, on the thread that committed) Record the save in the restart log (one
+        small object: a crash right after the commit must not lose it), then hand the rest to
+        the background worker; waits only when its queue is full."""
+        self._gate.end(token)
         tier.newest, tier.newest_step = manifest.snapshot_id, manifest.step
         self.last_save_bytes = (manifest.nbytes, bytes_written)
         self._record(
@@ -472,22 +514,46 @@ class CheckpointManager:
             level=manifest.level,
             tier=tier.name,
         )
+        if promote_to is not None:
+            self._promoting.add(manifest.snapshot_id)
+        self._housekeeper.submit(
+            f"after-commit work of snapshot {manifest.snapshot_id}",
+            lambda: self._after_commit(tier, promote_to, manifest, bytes_written),
+        )
+
+    def _after_commit(
+        self, tier: Tier, promote_to: Tier | None, manifest: Manifest, bytes_written: int
+    ) -> None:
+        """(coordinator, background worker) promote, apply retention, quantise, collect."""
         touched = [tier]
         if promote_to is not None:
             copied = promote(
                 tier.storage, promote_to.storage, manifest.snapshot_id, fence=promote_to.fence
             )
+            self._promoting.discard(manifest.snapshot_id)
             promote_to.newest, promote_to.newest_step = manifest.snapshot_id, manifest.step
             self._record(
                 "promote", snapshot=manifest.snapshot_id, step=manifest.step, bytes_copied=copied
             )
             touched.append(promote_to)
         for t in touched:
-            t.apply_retention()
+            t.apply_retention(protected=frozenset(self._promoting))
             if self.options.quantize_history:
                 self._quantize(t)
-            if self.saver.in_flight() <= 1:  # only this save, finishing now
-                collection.collect(t.storage, grace=self.options.gc_grace)
+            self._collect(t)
+
+    def _collect(self, tier: Tier) -> None:
+        """Everything unreferenced at once while this manager holds the tier's lease (its saves
+        gated), else what is older than ``gc_grace``."""
+        try:
+            tier.fence()
+            sole_writer = tier.lease is not None
+        except CommitFailedError:
+            sole_writer = False
+        if sole_writer:
+            collection.collect(tier.storage, grace=None, gate=self._gate)
+        else:
+            collection.collect(tier.storage, grace=self.options.gc_grace)
 
     def _quantize(self, tier: Tier) -> None:
         """Older retained snapshots, never the newest: optimizer state at bfloat16 precision."""
@@ -499,19 +565,29 @@ class CheckpointManager:
     def apply_retention(self) -> list[str]:
         """Delete the committed snapshots no retention policy keeps (never the newest), on
         every tier."""
-        return [sid for t in self._tiers() for sid in t.apply_retention()]
+        self._housekeeper.drain()
+        protected = frozenset(self._promoting)
+        return [sid for t in self._tiers() for sid in t.apply_retention(protected)]
 
     def wait(self) -> None:
-        """Wait for the save in flight; raise its error if it failed."""
-        self.saver.wait()
+        """Wait for the save in flight and the after-commit work of every committed save
+        (promotion, retention, collection); raise the first error of either."""
+        try:
+            self.saver.wait()
+        finally:
+            self._housekeeper.drain()
+        self._housekeeper.raise_error()
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error), release the root, restore the
-        previous signal handlers."""
+        """Wait for the save in flight and the after-commit work (raising the first error of
+        either), release the root, restore the previous signal handlers."""
         if self._closed:
             return
         try:
-            self.saver.close()
+            try:
+                self.saver.close()
+            finally:
+                self._housekeeper.close()
         finally:
             self._closed = True
             self._restore_signals()
@@ -556,30 +632,55 @@ class CheckpointManager:
 
 
 class _Decisions:
-    """Step-keyed decisions on the control plane: ``decide/<step>/<kind>`` exists when every
-    rank must save (that kind of save) at that step (see the module docstring for why s + 1)."""
+    """Shared decisions on the control plane (see the module docstring). Decision step ``c`` (a
+    count of ``step()`` calls) has the key ``decide/<c>``: the kinds of save every rank makes
+    there and the next decision step. One process: decided at the step itself, no store."""
 
-    KINDS = ("preempt", "durable", "local", "weights")
+    KEEP = 16
+    """Decision keys the coordinator leaves in the store (every rank is long past older ones)."""
 
-    def __init__(self, comm: Comm, seq: int) -> None:
+    def __init__(self, comm: Comm, seq: int, decision_seconds: float) -> None:
         self.comm = comm
-        self.local: dict[int, set[str]] = {}
         self.store = comm.store if isinstance(comm, StoreComm) else None
-        self.prefix = f"trainsnap/manager-{seq}/decide"
+        self.prefix = f"trainsnap/manager-{seq}"
+        self.calls = 0
+        self.next = 0
+        """The call count of the next decision step."""
+        self.decision_steps: deque[int] = deque(maxlen=self.KEEP)
+        """Call counts of the decision steps so far (bounded: the newest KEEP)."""
+        self.requested = False
+        self.preempt = False
+        """(coordinator) Signalled since its last decision step."""
 
-    def publish(self, step: int, kind: str) -> None:
+    def take(self, shared: Callable[[], set[str]], signalled: bool, window: int) -> set[str]:
+        """The shared kinds of save at this call. ``shared()`` evaluates the shared policies
+        (called by the coordinator at decision steps only), ``signalled``: a preemption signal
+        reached this rank since its last call, ``window``: (coordinator) calls to the next
+        decision step. Store operations: none between decision steps, save a signalled rank's
+        one request; at a decision step one read (others) or three or four (coordinator)."""
+        call, self.calls = self.calls, self.calls + 1
         if self.store is None:
-            self.local.setdefault(step, set()).add(kind)
-            return
-        self.store.set(f"{self.prefix}/{step}/{kind}", b"1")
-
-    def take(self, step: int) -> set[str]:
-        if self.store is None:
-            return self.local.pop(step, set())
-        found = {k for k in self.KINDS if self.store.check([f"{self.prefix}/{step}/{k}"])}
+            return shared() | ({"preempt"} if signalled else set())
+        if signalled and self.comm.is_coordinator:
+            self.preempt = True
+        elif signalled and not self.requested:
+            self.store.set(f"{self.prefix}/preempt", b"1")
+            self.requested = True
+        if call < self.next:
+            return set()
         if self.comm.is_coordinator:
-            for k in self.KINDS:  # every rank is long past that step
-                old = f"{self.prefix}/{step - 16}/{k}"
-                if self.store.check([old]):
-                    self.store.delete_key(old)
-        return found
+            kinds = shared()
+            request = f"{self.prefix}/preempt"
+            if self.preempt or self.store.check([request]):
+                kinds.add("preempt")
+                self.preempt = False
+            nxt = call + max(1, window)
+            self.store.set(f"{self.prefix}/decide/{call}", json.dumps([sorted(kinds), nxt]))
+            if len(self.decision_steps) == self.KEEP:
+                self.store.delete_key(f"{self.prefix}/decide/{self.decision_steps[0]}")
+        else:
+            doc = json.loads(self.store.get(f"{self.prefix}/decide/{call}"))
+            kinds, nxt = set(doc[0]), int(doc[1])
+        self.next = nxt
+        self.decision_steps.append(call)
+        return kinds

@@ -26,8 +26,10 @@ class ManagerOptions:
     """Most host bytes the staging pool may hold (None: no limit); a save that does not fit is
     saved synchronously."""
     gc_grace: float = 3600.0
-    """Seconds an unreferenced object is left alone (a save in flight may be about to reference
-    it); should exceed the longest save."""
+    """Seconds an unreferenced object is left alone where another writer may exist (this
+    manager no longer holds the root's lease): a save in flight may be about to reference it;
+    should exceed the longest save. While the manager holds the lease it is the only writer
+    and collects at once after retention, pausing while its own saves are in flight."""
     preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1)
     """Signals that request a save at the next step (handlers chain to the previous ones);
     ``()`` installs none."""
@@ -39,6 +41,16 @@ class ManagerOptions:
     progress_seconds: float = 30.0
     """How often the coordinator records how far the run got (one small object per run,
     overwritten): the resolution of the lost work a crash's restart reports."""
+    decision_seconds: float = 1.0
+    """How often, in seconds of training, the ranks of a multi-process job look for a shared
+    decision (a clock or measured interval, a preemption signal): the coordinator publishes
+    each decision at a step of a sequence it announces ahead, sized from the measured step
+    time, and the steps between cost no operation on the control plane. A shared decision
+    takes effect up to this long after it is due; steps named by step-based policies
+    (``Every(steps=N)``, predicates) are never late."""
+    after_commit_queue: int = 4
+    """Commits whose after-commit work (promotion, retention, collection) may wait for the
+    background worker; the next commit waits for room beyond that."""
     coordinator: int = 0
     """The rank that plans and commits."""
     timeout: float | None = None
@@ -53,6 +65,12 @@ class ManagerOptions:
             raise InvalidArgumentError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.gc_grace < 0:
             raise InvalidArgumentError(f"gc_grace must be >= 0 seconds, got {self.gc_grace}")
+        if not self.decision_seconds > 0:
+            raise InvalidArgumentError(f"decision_seconds must be > 0, got {self.decision_seconds}")
+        if self.after_commit_queue < 1:
+            raise InvalidArgumentError(
+                f"after_commit_queue must be >= 1, got {self.after_commit_queue}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

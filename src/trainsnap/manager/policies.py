@@ -155,10 +155,14 @@ class YoungDaly:
 
 @dataclass(frozen=True, slots=True)
 class When:
-    """A user predicate on the step info (evaluated on the coordinator, shared)."""
+    """A user predicate on the step info, evaluated by every rank at every step: it must answer
+    alike on every rank (a function of ``info.step``, or of values every rank shares). A
+    decision on a clock or a measurement belongs in ``Every(seconds=...)`` or ``YoungDaly``,
+    which are decided once and shared; a predicate is not, so it saves at exactly the steps it
+    names."""
 
     predicate: Callable[[StepInfo], bool]
-    shared = True
+    shared = False
 
     def should_save(self, info: StepInfo) -> bool:
         return bool(self.predicate(info))

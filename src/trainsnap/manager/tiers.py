@@ -195,11 +195,13 @@ class Tier:
         if self.lease is not None:
             self.lease.check()
 
-    def apply_retention(self) -> list[str]:
+    def apply_retention(self, protected: frozenset[str] = frozenset()) -> list[str]:
+        """Delete the committed snapshots no policy keeps, never the newest nor ``protected``
+        (e.g. snapshots waiting to be promoted); returns their ids."""
         if not self.retention:
             return []
         cands = [candidate(c) for c in commit.list_committed(self.storage)]
-        doomed = to_delete(cands, self.retention, protected=set())
+        doomed = to_delete(cands, self.retention, protected=set(protected))
         for c in doomed:
             commit.delete_snapshot(self.storage, c.id)
         if doomed:

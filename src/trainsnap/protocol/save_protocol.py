@@ -98,7 +98,10 @@ class PendingSave:
     mesh: dict[str, int]
     t0: float
     pause: float = 0.0
+    """Seconds from ``t0`` until the caller could go on (agreement, plan, staging)."""
     lease: Lease | None = None
+    waited: float = 0.0
+    """Seconds the caller waited for earlier saves before this one began (before ``t0``)."""
 
     @property
     def snapshot_id(self) -> str:
@@ -331,13 +334,14 @@ def _finish(pending: PendingSave) -> SaveResult:
             rank_errors=outcome.rank_errors,
         )
     dt = time.perf_counter() - pending.t0
-    pause = pending.pause if pending.lease is not None else dt
+    # Phases, each measured from the same clock readings: wait + pause + drain == seconds.
+    pause = min(pending.pause, dt) if pending.lease is not None else dt
     if comm.is_coordinator:
         s = outcome.manifest_summary
         referenced, new = int(s["nbytes"]), int(s["bytes_new"])
         log.info(
             "saved snapshot %s step=%d bytes=%d written=%d reused=%d dedup=%.1f%% ranks=%d "
-            "pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
+            "wait=%.3f pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
             sid,
             opts.step,
             referenced,
@@ -345,9 +349,10 @@ def _finish(pending: PendingSave) -> SaveResult:
             referenced - new,
             100.0 * (referenced - new) / max(referenced, 1),
             comm.world_size,
+            pending.waited,
             pause,
             dt - pause,
-            dt,
+            pending.waited + dt,
             referenced / max(dt, 1e-9) / 1e6,
             pending.storage.url,
         )
