@@ -132,7 +132,12 @@ def direct_tasks(
         rs.sort(key=_start)
         run: list[DirectRead] = []
         for r in rs:
-            if run and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX):
+            # a run is cut between blocks only: no two runs read and verify one block
+            if (
+                run
+                and r.start // bs > (run[-1].stop - 1) // bs
+                and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX)
+            ):
                 tasks.append(partial(_scatter, reader, o, run, pool))
                 run = []
             run.append(r)

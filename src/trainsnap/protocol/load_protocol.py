@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from trainsnap import trace
+from trainsnap.engine.reader import Reader
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.values import PickleKeys
@@ -142,6 +143,7 @@ def _load(
     reached, nread = level, 0
     left_out: list[str] = []
     admitted: list[str] = []
+    reader = Reader(storage, m)  # one per load: each block is read and verified once
     try:
         if isinstance(state, TrainState):
             plan = state.plan_load(
@@ -149,7 +151,7 @@ def _load(
                 level,
                 world_size=comm.world_size,
                 allow_downgrade=allow_downgrade,
-                read_value=lambda key: read_value(storage, m, key, comm.rank),
+                read_value=lambda key: read_value(reader, key, comm.rank),
             )
             tree, reached = plan.tree, plan.level
         world = m.world_size
@@ -162,7 +164,7 @@ def _load(
                 else tree_load.plan(tree, m, comm.rank, same, alone=alone)
             )
             left_out, admitted = wanted.left_out, wanted.admitted
-            reader = fill(
+            fill(
                 storage,
                 m,
                 wanted,
@@ -170,6 +172,7 @@ def _load(
                 allow_pickle=allow_pickle,
                 same_world=same,
                 replicas=replicas,
+                reader=reader,
             )
             nread = ev["bytes"] = reader.bytes_read
         if isinstance(state, TrainState):

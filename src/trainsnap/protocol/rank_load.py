@@ -411,12 +411,12 @@ def read_values(
     return decoded
 
 
-def read_value(storage: Storage, manifest: Manifest, key: str, rank: int) -> Any:
+def read_value(reader: Reader, key: str, rank: int) -> Any:
     """One value of a snapshot, verified and decoded (JSON only)."""
+    manifest = reader.m
     vi = manifest.find_value(key, rank)
     if vi is None:
         raise NotFoundError(f"snapshot {manifest.snapshot_id} has no value {key!r}", key=key)
-    reader = Reader(storage, manifest)
     owner = manifest.value_chunk_base() + vi
     n = reader.checked_payload_size(owner, key)
     buf = bytearray(n)
@@ -439,12 +439,14 @@ def fill(
     allow_pickle: PickleKeys,
     same_world: bool = True,
     replicas: Replicas | None = None,
+    reader: Reader | None = None,
 ) -> Reader:
     """Fill ``targets`` from ``manifest``: values are read and decoded first (a value that may
     not be loaded refuses the load before any tensor is touched), then tensors (with
     ``replicas``, this rank's share of them, the rest received from the replicas), then values
-    are put in their containers and stateful objects get their state dicts back."""
-    reader = Reader(storage, manifest)
+    are put in their containers and stateful objects get their state dicts back. ``reader``:
+    the load's reader when it has read already (its verified blocks are not read again)."""
+    reader = reader if reader is not None else Reader(storage, manifest)
     if replicas is None:
         pairs = match(manifest, targets, rank, same_world)
         values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)
