@@ -250,7 +250,7 @@ class Reader:
         """Read whole blocks ``first, first + 1, ...`` (from byte ``start``) into ``parts``,
         verifying each block as soon as it lands: hashed while still in the processor's
         cache, a block costs a fraction of what hashing it back from memory after a large read
-        does (a warm 1 GiB load spent a third of its time there)."""
+        does."""
         bs = self.m.block_size
         cursor = Parts(parts)
         total = sum(len(p) for p in parts)

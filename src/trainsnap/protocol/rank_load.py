@@ -169,12 +169,9 @@ _MIN_ROW = 16 << 10
 """Destination rows at least this long (bytes) are read straight into place (a scatter list of
 rows per block, verified row by row as it lands); a piece contiguous in the snapshot with
 shorter rows is read a window (``_WINDOW``) at a time into a bounce buffer, verified there, and
-copied into its rows while still in the processor's cache. Per 1 MiB block, warm page cache, one
-thread: in place 413 / 359 / 293 us at 4 / 8 / 16 KiB rows, through a window 341 / 349 / 316 us
-(the Python objects of the rows cost more than the copy below 16 KiB); a piece-sized bounce
-buffer, copied once the whole piece has been read, 406 us at 4 KiB. A 4 -> 2 rank reshard of 2 KiB
-and 4 KiB rows (900 MiB a rank, cold): 0.813 s through windows, 0.867 s before (median of 18,
-alternating)."""
+copied into its rows while still in the processor's cache: below this length the Python objects
+of the rows (one scatter-list entry each) cost more than one user copy of a cache-sized window.
+Figures: docs/PERFORMANCE.md."""
 
 _WINDOW = 2 << 20
 """Bytes of a short-row piece read, verified and copied at a time (whole blocks; a window none of
@@ -209,7 +206,7 @@ def _destination_rows(out: memoryview, piece: Piece, itemsize: int) -> list[memo
     while prod(piece.sizes[outer:]) != row:
         outer += 1
     # Plain Python, not numpy: numpy lets go of the GIL while it fills an array, and taking it
-    # back from the I/O threads costs up to a switch interval (5 ms) per call.
+    # back from the I/O threads costs up to a switch interval per call.
     starts = [piece.dst_offset * itemsize]
     for size, stride in zip(piece.sizes[:outer], piece.dst_strides[:outer], strict=True):
         step = stride * itemsize

@@ -235,8 +235,7 @@ def write_assigned(
     """Write this rank's assigned entries and values as objects; report their chunks.
 
     Each object's task takes the bytes of its payloads itself, on the I/O threads: the first
-    write starts at once rather than after every tensor of the rank has been looked at (2,050
-    tensors: 12-20 ms before the first write)."""
+    write starts at once rather than after every tensor of the rank has been looked at."""
     n_entries = len(assignment.entries)
     sizes = [local.entries[i][4] for i, _ in assignment.entries]
     sizes += [len(local.value_bytes[i]) for i, _ in assignment.values]
