@@ -33,6 +33,11 @@ class Tunables:
     read_budget: int = 256 * MiB
     """Most host memory a load holds in bounce buffers at once (strided pieces, devices)."""
 
+    block_cache: int = 64 * MiB
+    """Most bytes of verified blocks a load keeps to serve later reads of the same block (the
+    block several packed values and small tensors share is then read and verified once). Past
+    it, a block needed again is read again."""
+
     direct_reads: int = 1
     """1: a load reads the column pieces it copies from bounce windows straight from the device
     (``O_DIRECT``) when none of their bytes is in the page cache and the root's file system

@@ -2,9 +2,8 @@
 
 A load or save of a few thousand tensors allocates tens of thousands of short-lived containers
 (pieces, reads, manifest rows). Alive while the operation runs, they survive young collections
-and count towards a full one, which then walks the whole heap of the process: in a benchmark
-process of 250,000 objects that was 90 ms a time, once every two or three loads, holding the
-GIL while the I/O threads waited (a third of a warm 1 GiB load's CPU time, measured with perf).
+and count towards a full one, which then walks the whole heap of the process, holding the GIL
+while the I/O threads wait (figures: docs/PERFORMANCE.md).
 With the collector paused the same objects are freed by reference counting when the operation
 ends, before any collection sees them, so the work is not deferred but avoided.
 """

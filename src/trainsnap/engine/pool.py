@@ -98,10 +98,10 @@ _shared_lock = threading.Lock()
 
 
 def _executor(threads: int) -> tuple[ThreadPoolExecutor, bool]:
-    """The process's pool of ``threads`` threads, made once and kept: starting eight threads
-    took 8-19 ms here (fresh 8 MiB stacks), and while a load's first reads run each start
-    waits for the GIL (5-10 ms; 53 ms of a warm 1 GiB load's planning). A task that itself
-    runs tasks gets a pool of its own: waiting on the shared one could take its last thread.
+    """The process's pool of ``threads`` threads, made once and kept: a thread start pays for
+    a fresh stack, and while a load's first reads run each start waits for the GIL. A task
+    that itself runs tasks gets a pool of its own: waiting on the shared one could take its
+    last thread.
     Keyed by process too: a forked child inherits the pool but not its threads. With it,
     whether the caller owns the pool (shuts it down when done)."""
     if threading.current_thread().name.startswith(_PREFIX):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from trainsnap import faults, tunables
+from trainsnap.engine.block_cache import BlockCache
 from trainsnap.engine.buffers import BouncePool, Parts, scatter_copy
 from trainsnap.errors import CorruptError
 from trainsnap.format import compression
@@ -24,6 +25,23 @@ from trainsnap.storage.base import (
     read_steps,
     read_uncached,
 )
+
+
+def _partly_used(
+    segments: list[tuple[int, int, list[memoryview]]], lo: int, hi: int, block_size: int
+) -> set[int]:
+    """The blocks of ``[lo, hi)`` (block-aligned) that ``segments`` do not use up: another
+    read may need the rest of their bytes."""
+    used: dict[int, int] = {}
+    for start, stop, _ in segments:
+        for b in range(start // block_size, -(-stop // block_size)):
+            a, z = max(start, b * block_size), min(stop, (b + 1) * block_size)
+            used[b] = used.get(b, 0) + z - a
+    return {
+        b
+        for b in range(lo // block_size, -(-hi // block_size))
+        if used.get(b, 0) < min(hi, (b + 1) * block_size) - b * block_size
+    }
 
 
 class Reader:
@@ -38,6 +56,8 @@ class Reader:
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._direct = tunables.get().direct_reads > 0 and manifest.block_size % 4096 == 0
+        self.blocks = BlockCache(tunables.get().block_cache)
+        """Verified blocks a read did not use up, for the later reads that need them."""
         self._cached: set[int] = set()
         """Objects a window of which was found in the page cache: their other windows are read
         through it without asking (a warm load would otherwise open each window twice)."""
@@ -107,6 +127,13 @@ class Reader:
         bs = self.m.block_size
         size = int(self.m.object_sizes[obj])
         b0, b1 = start // bs, (stop - 1) // bs
+        held = [self.blocks.get(obj, b) for b in range(b0, b1 + 1)]
+        if all(block is not None for block in held):
+            for b, block in enumerate(held, b0):
+                assert block is not None
+                a, z = max(start, b * bs), min(stop, b * bs + len(block))
+                out[a - start : z - start] = block[a - b * bs : z - b * bs]
+            return
         frames = self.m.object_frames(obj)
         offsets = np.concatenate([[0], np.cumsum(frames)])
         lo, hi = int(offsets[b0]), int(offsets[b1 + 1])
@@ -128,6 +155,8 @@ class Reader:
                 raise self._fail(obj, f"block {b} fails its checksum once decoded", key)
             a, z = max(start, b * bs), min(stop, b * bs + n)
             out[a - start : z - start] = block[a - b * bs : z - b * bs]
+            if z - a < n:  # the rest of the block is another read's
+                self.blocks.put(obj, b, memoryview(block))
 
     def _scatter_compressed(
         self, obj: int, segments: list[tuple[int, int, list[memoryview]]], key: str
@@ -170,15 +199,50 @@ class Reader:
             b_lo, b_hi = b * bs, min((b + 1) * bs, size)
             if pos == b_lo and stop >= b_hi:
                 run_hi = size if stop == size else stop // bs * bs
-                self._stream_blocks(obj, b, pos, cursor.take(run_hi - pos), key)
+                self._whole_blocks(obj, b, run_hi, cursor.take(run_hi - pos), key)
                 pos = run_hi
                 continue
-            scratch = self._block()[: b_hi - b_lo]
-            self._get(obj, b_lo, scratch, key)
-            self._check(obj, b, scratch, key)
+            block = self._kept_block(obj, b, b_hi - b_lo, key)
             hi = min(stop, b_hi)
-            scatter_copy(scratch[pos - b_lo : hi - b_lo], cursor.take(hi - pos))
+            scatter_copy(block[pos - b_lo : hi - b_lo], cursor.take(hi - pos))
             pos = hi
+
+    def _kept_block(self, obj: int, block: int, size: int, key: str) -> memoryview:
+        """Block ``block`` (``size`` bytes) of ``obj``, verified: from :attr:`blocks`, or read
+        into the thread's scratch block, verified and kept there for the next read of it."""
+        held = self.blocks.get(obj, block)
+        if held is not None:
+            return memoryview(held)
+        scratch = self._block()[:size]
+        self._get(obj, block * self.m.block_size, scratch, key)
+        self._check(obj, block, scratch, key)
+        self.blocks.put(obj, block, scratch)
+        return scratch
+
+    def _whole_blocks(
+        self, obj: int, first: int, stop: int, parts: list[memoryview], key: str
+    ) -> None:
+        """Blocks ``first ..`` up to byte ``stop`` of ``obj``, whole, into ``parts``: streamed
+        (:meth:`_stream_blocks`), except those already held, which are copied."""
+        bs = self.m.block_size
+        last = -(-stop // bs)
+        if not self.blocks.has_any(obj, first, last):
+            self._stream_blocks(obj, first, first * bs, parts, key)
+            return
+        cursor = Parts(parts)
+        b = first
+        while b < last:
+            held = self.blocks.get(obj, b)
+            if held is not None:
+                scatter_copy(memoryview(held), cursor.take(len(held)))
+                b += 1
+                continue
+            end = b + 1
+            while end < last and self.blocks.get(obj, end) is None:
+                end += 1
+            n = min(stop, end * bs) - b * bs
+            self._stream_blocks(obj, b, b * bs, cursor.take(n), key)
+            b = end
 
     def _stream_blocks(
         self, obj: int, first: int, start: int, parts: list[memoryview], key: str
@@ -186,7 +250,7 @@ class Reader:
         """Read whole blocks ``first, first + 1, ...`` (from byte ``start``) into ``parts``,
         verifying each block as soon as it lands: hashed while still in the processor's
         cache, a block costs a fraction of what hashing it back from memory after a large read
-        does (a warm 1 GiB load spent a third of its time there)."""
+        does."""
         bs = self.m.block_size
         cursor = Parts(parts)
         total = sum(len(p) for p in parts)
@@ -240,10 +304,32 @@ class Reader:
         lo = min(s for s, _, _ in segments) // bs * bs
         hi = min(size, -(-max(e for _, e, _ in segments) // bs) * bs)
         with pool.buffer(hi - lo) as buf:
-            self._get(obj, lo, buf, key)
-            self._check(obj, lo // bs, buf, key)
+            self._fill_blocks(obj, lo, buf, _partly_used(segments, lo, hi, bs), key)
             for start, stop, parts in segments:
                 scatter_copy(buf[start - lo : stop - lo], parts)
+
+    def _fill_blocks(self, obj: int, lo: int, buf: memoryview, keep: set[int], key: str) -> None:
+        """Fill ``buf`` with the verified blocks of ``obj`` from byte ``lo`` (a block
+        boundary): held ones copied, each run of the others read once and verified; the blocks
+        in ``keep`` are then held for later reads."""
+        bs = self.m.block_size
+        first, last = lo // bs, -(-(lo + len(buf)) // bs)
+        b = first
+        while b < last:
+            held = self.blocks.get(obj, b)
+            if held is not None:
+                buf[(b - first) * bs : (b - first) * bs + len(held)] = held
+                b += 1
+                continue
+            end = b + 1
+            while end < last and self.blocks.get(obj, end) is None:
+                end += 1
+            view = buf[(b - first) * bs : min(len(buf), (end - first) * bs)]
+            self._get(obj, b * bs, view, key)
+            self._check(obj, b, view, key)
+            for k in keep.intersection(range(b, end)):
+                self.blocks.put(obj, k, view[(k - b) * bs : (k - b + 1) * bs])
+            b = end
 
     def read_payload_windows(
         self,
@@ -275,7 +361,7 @@ class Reader:
                 hi = min(size, lo + span, -(-end // bs) * bs)
                 view = window[: hi - lo]
                 if not self._read_uncached(o, lo, window, hi - lo, key):
-                    self._stream_blocks(o, lo // bs, lo, [view], key)
+                    self._whole_blocks(o, lo // bs, hi, [view], key)
                 top = min(end, hi)
                 deliver(po + pos - oo, view[pos - lo : top - lo])
                 pos = top

@@ -19,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from trainsnap import trace
+from trainsnap.engine.reader import Reader
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
-from trainsnap.protocol.control_plane import Comm, PeerLost, Session
-from trainsnap.protocol.outcome import decided, describe_error, told
+from trainsnap.protocol.collective import all_reduce
+from trainsnap.protocol.control_plane import Comm, Session
 from trainsnap.protocol.rank_load import fill, read_value
 from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import targets
@@ -58,51 +61,39 @@ def run_load(
 
 def _resolve(storage: Storage, snapshot: str, comm: Comm, session: Session) -> str:
     """(coordinator) which snapshot: "latest" must mean the same snapshot on every rank."""
-    chosen: str | None = None
-    error: TrainsnapError | None = None
-    if comm.is_coordinator:
-        try:
-            chosen = commit.resolve(storage, snapshot)
-        except TrainsnapError as e:
-            if comm.world_size == 1:
-                raise
-            error = e
-    return str(decided(session.broadcast("snapshot", told(chosen, error)), error, comm.coordinator))
+    resolve = partial(_resolved, storage, snapshot)
+    return str(all_reduce(comm, session, "snapshot", None, resolve, _lost_coordinator))
 
 
-def _load_outcome(
-    comm: Comm, session: Session, report: tuple[str | None, str, Any], left_out: list[str]
-) -> dict[int, str]:
-    """Every rank's (error, level reached, what its exact templates admitted) gathered on the
-    coordinator; the ranks that failed (or disagree on the level), the same on every rank.
+def _resolved(storage: Storage, snapshot: str, _parts: list[None]) -> str:
+    return commit.resolve(storage, snapshot)
+
+
+def _lost_coordinator(ranks: dict[int, str]) -> TrainsnapError:
+    return CommitFailedError("the coordinator could not resolve the snapshot", rank_errors=ranks)
+
+
+def _outcome(left_out: list[str], rank: int, results: list[_Loaded]) -> dict[int, str]:
+    """(coordinator) The ranks that cannot finish the load, from every rank's level reached and
+    what its exact templates admitted: none when all is well.
 
     A saved key that no rank admits -- no stage of a pipeline holds it: the model changed since
     the save -- fails the load on the coordinator. Such a key is among the coordinator's own
     ``left_out``; a rank that left nothing out reports nothing, any other the 8-byte digests of
     the keys it admitted (a pipeline stage: its own layers), not of those it left out (every
     other stage's)."""
-    try:
-        results = session.gather("loaded", report)
-    except PeerLost as e:
-        if comm.is_coordinator:  # the others learn who was lost, not that the coordinator left
-            session.broadcast("load-outcome", dict(e.ranks))
-        raise
     failed: dict[int, str] = {}
-    if comm.is_coordinator:
-        assert results is not None
-        failed = {r: why for r, (why, _, _) in enumerate(results) if why is not None}
-        levels = {lvl for why, lvl, _ in results if why is None}
-        if len(levels) > 1:
-            failed[comm.rank] = f"ranks reached different resume levels: {sorted(levels)}"
-        names = _unadmitted(left_out, [took for why, _, took in results if why is None])
-        if names and not failed:
-            failed[comm.rank] = (
-                f"no rank loads {len(names)} key(s) the snapshot holds ({keys_summary(names)}): "
-                "the model lacks them on every rank; load into the configuration that was "
-                "saved, or take what you need with ts.read"
-            )
-    out: dict[int, str] = session.broadcast("load-outcome", failed)
-    return out
+    levels = {r.level for r in results}
+    if len(levels) > 1:
+        failed[rank] = f"ranks reached different resume levels: {sorted(levels)}"
+    names = _unadmitted(left_out, [r.admitted for r in results])
+    if names and not failed:
+        failed[rank] = (
+            f"no rank loads {len(names)} key(s) the snapshot holds ({keys_summary(names)}): "
+            "the model lacks them on every rank; load into the configuration that was "
+            "saved, or take what you need with ts.read"
+        )
+    return failed
 
 
 def _digest(key: str) -> bytes:
@@ -115,6 +106,74 @@ def _unadmitted(left_out: list[str], reports: list[frozenset[bytes] | None]) -> 
         return []
     admitted = frozenset().union(*(r for r in reports if r is not None))
     return [k for k in left_out if _digest(k) not in admitted]
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """A rank's part of the load's outcome."""
+
+    level: str
+    """The resume level the rank's read reached."""
+    admitted: frozenset[bytes] | None
+    """Digests of the saved keys its exact templates admitted; None when it left none out."""
+
+
+@dataclass(slots=True)
+class _Read:
+    """One rank's read: its reader, and what the read made."""
+
+    state: Any
+    reader: Reader
+    tree: Any = None
+    reached: str = ""
+    nread: int = 0
+    left_out: list[str] = field(default_factory=list)
+
+
+def _read(
+    read: _Read,
+    comm: Comm,
+    level: str,
+    allow_downgrade: bool,
+    allow_pickle: PickleKeys,
+    replicas: Replicas | None,
+) -> _Loaded:
+    """Step 3 (all ranks): plan the level, read and verify straight into the state."""
+    state, reader, m = read.state, read.reader, read.reader.m
+    read.tree, read.reached = state, level
+    if isinstance(state, TrainState):
+        plan = state.plan_load(
+            m,
+            level,
+            world_size=comm.world_size,
+            allow_downgrade=allow_downgrade,
+            read_value=lambda key: read_value(reader, key, comm.rank),
+        )
+        read.tree, read.reached = plan.tree, plan.level
+    with trace.span("read") as ev:
+        same = m.world_size == comm.world_size
+        alone = comm.world_size == 1
+        wanted = (
+            targets(read.tree)
+            if m.tree is None
+            else tree_load.plan(read.tree, m, comm.rank, same, alone=alone)
+        )
+        read.left_out = wanted.left_out
+        fill(
+            reader.storage,
+            m,
+            wanted,
+            comm.rank,
+            allow_pickle=allow_pickle,
+            same_world=same,
+            replicas=replicas,
+            reader=reader,
+        )
+        read.nread = ev["bytes"] = reader.bytes_read
+    if isinstance(state, TrainState):
+        state.check_loaded(read.tree)
+    took = frozenset(map(_digest, wanted.admitted)) if wanted.left_out else None
+    return _Loaded(read.reached, took)
 
 
 def _load(
@@ -137,64 +196,32 @@ def _load(
             group = replica_reads.data_group()
             if sharing:
                 replicas = Replicas(sharing, comm.rank, group)
-    error: TrainsnapError | None = None
-    tree: Any = state
-    reached, nread = level, 0
-    left_out: list[str] = []
-    admitted: list[str] = []
-    try:
-        if isinstance(state, TrainState):
-            plan = state.plan_load(
-                m,
-                level,
-                world_size=comm.world_size,
-                allow_downgrade=allow_downgrade,
-                read_value=lambda key: read_value(storage, m, key, comm.rank),
-            )
-            tree, reached = plan.tree, plan.level
-        world = m.world_size
-        with trace.span("read") as ev:
-            same = world == comm.world_size
-            alone = comm.world_size == 1
-            wanted = (
-                targets(tree)
-                if m.tree is None
-                else tree_load.plan(tree, m, comm.rank, same, alone=alone)
-            )
-            left_out, admitted = wanted.left_out, wanted.admitted
-            reader = fill(
-                storage,
-                m,
-                wanted,
-                comm.rank,
-                allow_pickle=allow_pickle,
-                same_world=same,
-                replicas=replicas,
-            )
-            nread = ev["bytes"] = reader.bytes_read
-        if isinstance(state, TrainState):
-            state.check_loaded(tree)
-    except TrainsnapError as e:
-        if comm.world_size == 1:
+    read = _Read(state, Reader(storage, m))  # one reader: each block read and verified once
+
+    def local() -> _Loaded:
+        try:
+            return _read(read, comm, level, allow_downgrade, allow_pickle, replicas)
+        except TrainsnapError as e:
+            if comm.world_size > 1 and replicas is not None and not replicas.told:
+                # Failed before reading: the replicas must not wait for this rank's share.
+                with contextlib.suppress(TrainsnapError):  # a replica lost: its own error says so
+                    replica_reads.tell(replicas, e)
             raise
-        error = e
-        if replicas is not None and not replicas.told:
-            # Failed before reading: the replicas must not wait for this rank's share.
-            with contextlib.suppress(TrainsnapError):  # a replica lost: its own error says so
-                replica_reads.tell(replicas, e)
-    took = frozenset(map(_digest, admitted)) if left_out else None
-    report = (None if error is None else describe_error(error), reached, took)
-    with trace.span("agree"):
-        failed = _load_outcome(comm, session, report, left_out)
-    if error is not None:
-        raise error
-    if failed:
-        raise CommitFailedError(
-            f"loading snapshot {sid} failed on {len(failed)} rank(s); the state of every rank "
+
+    def failure(ranks: dict[int, str]) -> TrainsnapError:
+        return CommitFailedError(
+            f"loading snapshot {sid} failed on {len(ranks)} rank(s); the state of every rank "
             "is unusable until a load succeeds",
             snapshot_id=sid,
-            rank_errors=failed,
+            rank_errors=ranks,
         )
+
+    def reduce(results: list[_Loaded]) -> dict[int, str] | None:
+        return _outcome(read.left_out, comm.rank, results) or None
+
+    failed = all_reduce(comm, session, "loaded", local, reduce, failure)
+    if failed:
+        raise failure(failed)
     if isinstance(state, TrainState):
-        state.apply(tree)
-    return m, reached, nread
+        state.apply(read.tree)
+    return m, read.reached, read.nread

@@ -169,12 +169,9 @@ _MIN_ROW = 16 << 10
 """Destination rows at least this long (bytes) are read straight into place (a scatter list of
 rows per block, verified row by row as it lands); a piece contiguous in the snapshot with
 shorter rows is read a window (``_WINDOW``) at a time into a bounce buffer, verified there, and
-copied into its rows while still in the processor's cache. Per 1 MiB block, warm page cache, one
-thread: in place 413 / 359 / 293 us at 4 / 8 / 16 KiB rows, through a window 341 / 349 / 316 us
-(the Python objects of the rows cost more than the copy below 16 KiB); a piece-sized bounce
-buffer, copied once the whole piece has been read, 406 us at 4 KiB. A 4 -> 2 rank reshard of 2 KiB
-and 4 KiB rows (900 MiB a rank, cold): 0.813 s through windows, 0.867 s before (median of 18,
-alternating)."""
+copied into its rows while still in the processor's cache: below this length the Python objects
+of the rows (one scatter-list entry each) cost more than one user copy of a cache-sized window.
+Figures: docs/PERFORMANCE.md."""
 
 _WINDOW = 2 << 20
 """Bytes of a short-row piece read, verified and copied at a time (whole blocks; a window none of
@@ -209,7 +206,7 @@ def _destination_rows(out: memoryview, piece: Piece, itemsize: int) -> list[memo
     while prod(piece.sizes[outer:]) != row:
         outer += 1
     # Plain Python, not numpy: numpy lets go of the GIL while it fills an array, and taking it
-    # back from the I/O threads costs up to a switch interval (5 ms) per call.
+    # back from the I/O threads costs up to a switch interval per call.
     starts = [piece.dst_offset * itemsize]
     for size, stride in zip(piece.sizes[:outer], piece.dst_strides[:outer], strict=True):
         step = stride * itemsize
@@ -411,12 +408,12 @@ def read_values(
     return decoded
 
 
-def read_value(storage: Storage, manifest: Manifest, key: str, rank: int) -> Any:
+def read_value(reader: Reader, key: str, rank: int) -> Any:
     """One value of a snapshot, verified and decoded (JSON only)."""
+    manifest = reader.m
     vi = manifest.find_value(key, rank)
     if vi is None:
         raise NotFoundError(f"snapshot {manifest.snapshot_id} has no value {key!r}", key=key)
-    reader = Reader(storage, manifest)
     owner = manifest.value_chunk_base() + vi
     n = reader.checked_payload_size(owner, key)
     buf = bytearray(n)
@@ -439,12 +436,14 @@ def fill(
     allow_pickle: PickleKeys,
     same_world: bool = True,
     replicas: Replicas | None = None,
+    reader: Reader | None = None,
 ) -> Reader:
     """Fill ``targets`` from ``manifest``: values are read and decoded first (a value that may
     not be loaded refuses the load before any tensor is touched), then tensors (with
     ``replicas``, this rank's share of them, the rest received from the replicas), then values
-    are put in their containers and stateful objects get their state dicts back."""
-    reader = Reader(storage, manifest)
+    are put in their containers and stateful objects get their state dicts back. ``reader``:
+    the load's reader when it has read already (its verified blocks are not read again)."""
+    reader = reader if reader is not None else Reader(storage, manifest)
     if replicas is None:
         pairs = match(manifest, targets, rank, same_world)
         values = read_values(reader, manifest, targets, rank, allow_pickle=allow_pickle)

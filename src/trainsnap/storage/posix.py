@@ -75,7 +75,7 @@ class PosixStorage:
 
     def _read_path(self, key: str) -> str:
         """:meth:`_path` of a key to read, kept once checked: a load opens each object several
-        times from its I/O threads, and the checks cost 17 us of Python a call (their
+        times from its I/O threads, and the checks are Python work each call (their
         directories' checks are kept anyway; the last component is opened without following a
         link)."""
         path = self._read_paths.get(key)
@@ -183,8 +183,7 @@ class PosixStorage:
         """Inside, renamed objects' directories (and the parents of directories made for
         them) are fsynced once at the end rather than after every object: a rank writing a
         hundred objects into a few directories syncs each directory once. A directory fsync
-        forces a journal commit, which on ext4 waits for the data of every file written so far:
-        sixty of them on the write threads cost a 1 GiB save a fifth of its time (measured).
+        forces a journal commit, which on ext4 waits for the data of every file written so far.
         Everything put inside is durable when the block exits, before the rank reports its
         objects (and so before any manifest names them)."""
         with self._lock:
@@ -272,8 +271,8 @@ class PosixStorage:
         fd = self._open_object(path)
         try:
             if _HAS_FADVISE and len(steps) > 1:
-                # A doubled readahead window: a cold 1 GiB load of 32 MiB objects read block by
-                # block took 0.600 s instead of 0.615 s (median of 10; the raw read 0.541 s).
+                # A doubled readahead window: the next blocks are on their way while one is
+                # verified (docs/PERFORMANCE.md).
                 os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
             pos = start
             for i, step in enumerate(steps):
@@ -288,9 +287,7 @@ class PosixStorage:
         page-aligned and ``out`` holds ``length`` rounded up to a page; False, with nothing
         read, otherwise, and for good once the file system refuses direct I/O.
 
-        The bytes then cost no kernel copy and no page-cache work: a cold 4 -> 2 rank reshard,
-        whose column pieces go through bounce windows, spent 0.55 s of CPU a rank and load
-        instead of 0.64 s, and took 0.83 s against 1.01 s (median of 12, alternating). Cached
+        The bytes then cost no kernel copy and no page-cache work (docs/PERFORMANCE.md). Cached
         bytes are read from the cache as usual: a direct read would go to the device for them,
         and would first write back any that are dirty."""
         if not (self._direct and length > 0 and start % _DIRECT_ALIGN == 0) or out.readonly:

@@ -133,3 +133,53 @@ class CountingStore:
     def num_keys(self) -> int:
         self.counts.record("num_keys", 0, 8)
         return int(self._store.num_keys())
+
+
+class CountingStorage:
+    """Wraps a :class:`~trainsnap.storage.base.Storage` and counts the bytes read from it
+    (``get``, ``read_into``, ``read_steps``, ``read_uncached``): in all, and under
+    ``snapshots/`` (manifests, markers, reports) apart. For tests of what a load costs the
+    storage (bytes read over bytes stored). Every other method is passed through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.readinto_is_zero_copy = inner.readinto_is_zero_copy
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.metadata_bytes = 0
+        """Bytes read under ``snapshots/`` (manifests, markers): included in ``bytes_read``."""
+        self.reads = 0
+
+    def _count(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self.reads += 1
+            self.bytes_read += nbytes
+            if key.startswith("snapshots/"):
+                self.metadata_bytes += nbytes
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data: bytes = self.inner.get(key, start, end)
+        self._count(key, len(data))
+        return data
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        self.inner.read_into(key, start, out)
+        self._count(key, out.nbytes)
+
+    def read_steps(self, key: str, start: int, steps: Any, done: Any) -> None:
+        from trainsnap.storage.base import read_steps
+
+        read_steps(self.inner, key, start, steps, done)
+        self._count(key, sum(b.nbytes for step in steps for b in step))
+
+    def read_uncached(self, key: str, start: int, out: memoryview, length: int) -> bool:
+        from trainsnap.storage.base import read_uncached
+
+        if not read_uncached(self.inner, key, start, out, length):
+            return False
+        self._count(key, length)
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
