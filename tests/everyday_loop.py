@@ -5,8 +5,8 @@ schedule, a shuffled dataset, ``ts.CheckpointManager(async_save=True)``.
 ``(step, sample ids, loss.hex())`` per step. As a script it runs every case of :data:`CASES`
 in one process (a process start costs more than the training), each under ``DIR/<case>/``:
 ``crash`` trains each case past a save and leaves it there unclosed, as a crash would, and on
-the last one waits for its save to commit, writes ``DIR/<case>/crash.jsonl.ready`` and sleeps, to be SIGKILLed from
-outside; ``resume`` restores each case and trains it to the end.
+the last one waits for its save to commit, writes ``DIR/<case>/crash.jsonl.ready`` and sleeps,
+to be SIGKILLed from outside; ``resume`` restores each case and trains it to the end.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def make_loader(kind: str, workers: int) -> tuple[Any, Any]:
             data, batch_size=BATCH, sampler=sampler, num_workers=workers
         )
         return loader, sampler
-    return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=workers), None
+    return torch.utils.data.DataLoader(
+        data, batch_size=BATCH, shuffle=True, num_workers=workers
+    ), None
 
 
 def make_state(kind: str, workers: int, total: int) -> dict[str, Any]:
@@ -79,8 +81,14 @@ def make_state(kind: str, workers: int, total: int) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
     loader, sampler = make_loader(kind, workers)
     state = ts.TrainState(model, opt, sched, dataloader=loader)
-    return {"model": model, "opt": opt, "sched": sched, "loader": loader, "sampler": sampler,
-            "state": state}
+    return {
+        "model": model,
+        "opt": opt,
+        "sched": sched,
+        "loader": loader,
+        "sampler": sampler,
+        "state": state,
+    }
 
 
 def train_step(objs: dict[str, Any], batch: Any) -> tuple[list[int], str]:
@@ -167,8 +175,16 @@ def main() -> None:
         case.mkdir(parents=True, exist_ok=True)
         last = i == len(CASES) - 1
         stop = (SAVED if last else STOPPED) if a.mode == "crash" else None
-        run(kind, workers, shape, str(case / "root"), TOTAL, stop_after=stop,
-            hold=last and a.mode == "crash", out=case / f"{a.mode}.jsonl")
+        run(
+            kind,
+            workers,
+            shape,
+            str(case / "root"),
+            TOTAL,
+            stop_after=stop,
+            hold=last and a.mode == "crash",
+            out=case / f"{a.mode}.jsonl",
+        )
 
 
 if __name__ == "__main__":

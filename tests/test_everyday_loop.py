@@ -29,7 +29,7 @@ import torch
 import trainsnap as ts
 
 sys.path.insert(0, str(Path(__file__).parent))
-import everyday_loop as ev  # noqa: E402
+import everyday_loop as ev
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
