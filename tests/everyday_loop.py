@@ -189,3 +189,75 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- data parallel: the same loop on gloo ranks, over an ElasticSampler -----------------------
+
+
+class DerivedDropoutMLP(nn.Module):
+    """The MLP with its dropout masks drawn from (seed, step, sample id), not from the global
+    RNG: the same masks for a sample whatever the number of ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(DIM, 32), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, ids: list[int], step: int) -> torch.Tensor:
+        h = torch.relu(self.hidden(x))
+        keep = [torch.rand(h.shape[1:], generator=ts.rng.generator(99, step, i)) > 0.2 for i in ids]
+        return self.out(h * torch.stack(keep) / 0.8)
+
+
+def ranks_run(
+    rank: int, world: int, root: str, total: int, stop_after: int | None
+) -> list[tuple[int, list[int], str]]:
+    """The loop on ``world`` data-parallel ranks with a global batch of ``BATCH``; returns
+    (step, global sample ids, mean loss.hex()) per step on every rank. Resumes from ``root``
+    when it holds a snapshot; after step ``stop_after`` it waits for its save and returns
+    without closing the manager, as a crash would leave it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)  # alike on every rank: the RNG state is stored once, valid on any world
+    model = DerivedDropoutMLP()
+    ddp = DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
+    sampler = ts.ElasticSampler(
+        SAMPLES, global_batch_size=BATCH, seed=11, rank=rank, world_size=world
+    )
+    loader = torch.utils.data.DataLoader(Samples(), batch_size=BATCH // world, sampler=sampler)
+    state = ts.TrainState(ddp, opt, sched, dataloader=loader)
+    mgr = ts.CheckpointManager(root, interval=ts.Every(steps=4), async_save=True)
+    restored = mgr.restore(state)
+    step = 0 if restored is None else restored.step + 1
+    rows = []
+    it = iter(loader)
+    while step < total:
+        try:
+            ids, x, y = next(it)
+        except StopIteration:
+            it = iter(loader)
+            ids, x, y = next(it)
+        loss = nn.functional.mse_loss(ddp(x, ids.tolist(), step), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        sampler.step()
+        mean, every_id = loss.detach().clone(), [ids.tolist()]
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+            every_id = [None] * world
+            dist.all_gather_object(every_id, ids.tolist())
+        rows.append((step, [i for part in every_id for i in part], mean.item().hex()))
+        mgr.step(step, state)
+        if step == stop_after:
+            mgr.wait()
+            return rows
+        step += 1
+    mgr.close()
+    return rows
