@@ -148,11 +148,17 @@ def cursor_of(dataloader: Any) -> DataCursor:
 
 
 def _is_stateful_dataloader(obj: Any) -> bool:
+    """A torchdata ``StatefulDataLoader`` whose state is torchdata's own (a subclass with its
+    own ``state_dict``, e.g. torchtitan's per-rank one, is taken at its word)."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
         return False
-    return isinstance(obj, StatefulDataLoader)
+    return (
+        isinstance(obj, StatefulDataLoader)
+        and type(obj).state_dict is StatefulDataLoader.state_dict
+        and type(obj).load_state_dict is StatefulDataLoader.load_state_dict
+    )
 
 
 def _check_sampler(loader: Any) -> None:
