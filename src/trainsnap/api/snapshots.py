@@ -117,7 +117,9 @@ def load(
     Exactly the keys ``state`` holds are filled: tensors in place, plain values into their
     containers; a key the snapshot lacks is an error, keys it does not ask for are ignored.
     ``level`` is the resume level required; a snapshot that cannot give it is refused unless
-    ``allow_downgrade``, and the returned info's ``level`` is the level reached.
+    ``allow_downgrade``, and the returned info's ``level`` is the level reached, its
+    ``reasons`` why it is not higher (a :class:`~trainsnap.TrainState` without a data cursor
+    reaches ``training``: everything it holds is restored, the data order is not).
 
     ``"latest"`` is the newest committed snapshot that loads: when every rank's failure is
     damage to it (a corrupt or truncated object, a missing block: ``CorruptError``,
@@ -216,8 +218,10 @@ def _load_one(
             allow_pickle=allow_pickle,
         )
     seconds = time.perf_counter() - started
+    # Why the level reached is not higher: a TrainState's plan says (no data cursor, a downgrade).
+    reasons = tuple(getattr(state, "restore_reasons", ()) if reached != "strict" else ())
     log.info(
-        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s",
+        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s%s",
         manifest.snapshot_id,
         manifest.step,
         reached,
@@ -225,8 +229,9 @@ def _load_one(
         seconds,
         nread / max(seconds, 1e-9) / 1e6,
         storage.url,
+        f" not_higher_because={'; '.join(reasons)!r}" if reasons else "",
     )
-    return SnapshotInfo.from_manifest(manifest, storage.url, level=reached)
+    return SnapshotInfo.from_manifest(manifest, storage.url, level=reached, reasons=reasons)
 
 
 def read(

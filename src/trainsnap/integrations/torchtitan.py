@@ -206,6 +206,8 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
             dataloader=data,
             extra={} if kept else None,
             data=data,
+            # Excluding the dataloader means the user positions the data: no order to restore.
+            no_data_order=data is None,
         )
 
     def _model_only(self) -> ts.TrainState:

@@ -346,7 +346,7 @@ class CheckpointManager:
                             isinstance(state, TrainState)
                             and not allow_downgrade
                             and level_rank(str(c.marker.summary.get("level", "weights")))
-                            < level_rank(level)
+                            < min(level_rank(level), level_rank(state.level_cap()))
                         ):
                             continue  # cannot give the level asked (e.g. a weights-only save)
                         key = (c.step, str(c.marker.summary.get("created", "")))

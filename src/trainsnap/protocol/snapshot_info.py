@@ -16,7 +16,8 @@ class SnapshotInfo:
     """A committed snapshot, as listed, saved or loaded.
 
     ``level`` is what the snapshot offers when listed or saved, and what was reached when
-    returned by a load. ``nbytes`` is the bytes its objects occupy.
+    returned by a load. ``nbytes`` is the bytes its objects occupy. ``reasons`` says, for a
+    load that reached less than ``strict``, why not higher.
     """
 
     id: str
@@ -26,9 +27,12 @@ class SnapshotInfo:
     nbytes: int
     root: str
     tokens_seen: int | None = None
+    reasons: tuple[str, ...] = ()
 
     @staticmethod
-    def from_manifest(manifest: Manifest, root: str, level: str | None = None) -> SnapshotInfo:
+    def from_manifest(
+        manifest: Manifest, root: str, level: str | None = None, reasons: tuple[str, ...] = ()
+    ) -> SnapshotInfo:
         return SnapshotInfo(
             id=manifest.snapshot_id,
             step=manifest.step,
@@ -37,6 +41,7 @@ class SnapshotInfo:
             nbytes=manifest.nbytes,
             root=root,
             tokens_seen=manifest.tokens_seen,
+            reasons=reasons,
         )
 
     @staticmethod

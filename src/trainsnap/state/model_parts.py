@@ -13,7 +13,8 @@ by parameter name; Stateful objects are taken at their word.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -113,10 +114,10 @@ class ModelParts:
 
         if self.container is not None:
             return self.container.state_dict()
-        sds = {
-            k: dict(get_optimizer_state_dict(self.parts[k], opts))
-            for k, opts in self.optimizers.items()
-        }
+        sds = {}
+        for k, opts in self.optimizers.items():
+            with _no_initialising_step(opts):
+                sds[k] = dict(get_optimizer_state_dict(self.parts[k], opts))
         if self.kind == "module":
             return sds[""]
         if self.kind == "named":
@@ -183,12 +184,46 @@ class ModelParts:
                 part_osd = osd[k] if self.kind == "named" else osd[int(k)]
             # Not strict: parameters that had no optimizer state when saved (they never got a
             # gradient) must have none now; the load plan checked exactly which those are.
-            set_optimizer_state_dict(
-                self.parts[k], opts, part_osd, options=StateDictOptions(strict=False)
-            )
+            with _no_initialising_step(opts):
+                set_optimizer_state_dict(
+                    self.parts[k], opts, part_osd, options=StateDictOptions(strict=False)
+                )
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for k, m in self.parts.items():
             prefix = f"{k}." if self.kind == "named" else ""
             for n, p in m.named_parameters():
                 yield prefix + n, p
+
+
+@contextmanager
+def _no_initialising_step(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Keep torch's state-dict functions from stepping an optimizer that has no state yet.
+
+    ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` fill an empty optimizer's
+    state by running ``step()`` at learning rate 0 on zero gradients: Adam's state becomes
+    step 1 with zero moments, and the run diverges from one that never saved. They skip that
+    when a parameter has a gradient, so for the duration of the call one parameter of each
+    such optimizer gets a zero gradient of one element's storage, expanded to its shape; it is
+    set back to None afterwards. The saved state is then the optimizer's real one: empty.
+    O(1) memory per optimizer."""
+    lent: list[torch.Tensor] = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if opt.state or not params or any(p.grad is not None for p in params):
+            continue  # torch initialises nothing here
+        param = next((p for p in params if p.requires_grad), params[0])
+        param.grad = _zero_grad_like(param)
+        lent.append(param)
+    try:
+        yield
+    finally:
+        for param in lent:
+            param.grad = None
+
+
+def _zero_grad_like(param: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param)
+    except (RuntimeError, TypeError):  # a tensor subclass (DTensor) that will not expand
+        return torch.zeros_like(param)

@@ -70,6 +70,7 @@ class ElasticSampler(Sampler[int]):
         self.seed, self.shuffle = seed, shuffle
         self.consumed = 0
         """Global samples consumed since the start of training (all epochs)."""
+        self._rewinds: list[tuple[torch.Generator | None, torch.Tensor]] = []
 
     @property
     def per_epoch(self) -> int:
@@ -96,6 +97,7 @@ class ElasticSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's samples from the current position to the end of the current epoch."""
+        self._take_back_iterator_draw()
         start = self.consumed // self.global_batch_size
         per = self.per_epoch // self.global_batch_size
         epoch = start // per
@@ -109,6 +111,33 @@ class ElasticSampler(Sampler[int]):
         per = self.per_epoch // self.global_batch_size
         left = per - (self.consumed // self.global_batch_size) % per
         return left * self.local_batch_size
+
+    def rewind_after_restore(self, generators: list[torch.Generator | None]) -> None:
+        """Arm the first iterator after a restore to leave ``generators`` (None: torch's global
+        CPU generator) where they are now.
+
+        A ``DataLoader`` draws one int64 from its ``generator=`` (or the global generator) when
+        it creates an iterator, just before it asks this sampler for indices. The uninterrupted
+        run drew it when the epoch started; a resumed run draws it again at the restored step,
+        which would shift every later draw (dropout). When this sampler is first iterated after
+        a restore, each generator that moved by exactly that one draw since now is put back.
+        A generator that moved otherwise (the loop drew from it itself) is left alone. O(1)."""
+        self._rewinds = [
+            (gen, torch.get_rng_state() if gen is None else gen.get_state()) for gen in generators
+        ]
+
+    def _take_back_iterator_draw(self) -> None:
+        rewinds, self._rewinds = self._rewinds, []
+        for gen, before in rewinds:
+            probe = torch.Generator()
+            probe.set_state(before)
+            torch.empty((), dtype=torch.int64).random_(generator=probe)
+            now = torch.get_rng_state() if gen is None else gen.get_state()
+            if torch.equal(now, probe.get_state()):
+                if gen is None:
+                    torch.set_rng_state(before)
+                else:
+                    gen.set_state(before)
 
     def step(self, batches: int = 1) -> None:
         """Record that ``batches`` global batches were consumed by the training loop."""

@@ -30,6 +30,7 @@ from trainsnap.errors import IncompatibleError, InvalidArgumentError
 from trainsnap.format.manifest import LEVELS, Manifest, level_rank
 from trainsnap.state import rng as rng_mod
 from trainsnap.state.capture import Exact
+from trainsnap.state.data_cursor import cursor_of
 from trainsnap.state.model_parts import ModelParts
 
 log = logging.getLogger("trainsnap.load")
@@ -55,7 +56,7 @@ class LoadPlan:
     tree: dict[str, Any]
     level: str
     reasons: list[str] = field(default_factory=list)
-    """Why a higher level could not be reached (empty when the asked level was)."""
+    """Why a higher level could not be reached (empty when the asked level was, or strict)."""
 
 
 class TrainState:
@@ -71,17 +72,28 @@ class TrainState:
             container (e.g. torchtitan's ``OptimizersContainer``).
         scheduler: one LR scheduler or a list.
         scaler: a ``torch.amp.GradScaler``.
-        dataloader: the data cursor: a :class:`trainsnap.ElasticSampler`, a torchdata
-            ``StatefulDataLoader``, or anything with ``state_dict``/``load_state_dict``.
+        dataloader: the data cursor: a torchdata ``StatefulDataLoader``, a ``DataLoader`` over
+            a :class:`trainsnap.ElasticSampler` (or the sampler itself), or anything with
+            ``state_dict``/``load_state_dict``. Resuming it leaves every global RNG stream where
+            the uninterrupted run had it (see :mod:`trainsnap.state.data_cursor`). A plain
+            ``DataLoader`` over a ``RandomSampler`` / ``SequentialSampler`` is refused
+            (:class:`~trainsnap.InvalidArgumentError`): it keeps its position nowhere.
         extra: a dict of plain data and tensors (``tokens_seen``, ``samples_seen``, ...); loads
             fill it in place with everything saved under it (an empty dict is filled too).
         rng: capture the RNG of Python, NumPy, torch CPU and CUDA (per rank).
         versions: model, tokenizer, code, data, container versions; a change refuses ``strict``.
         grads: also save the parameters' ``.grad`` (a save in the middle of gradient
             accumulation; keep the micro-batch index in ``extra``).
+        no_data_order: declare that the loop has no data order to restore (it draws no data,
+            or its data does not depend on the step). Without a ``dataloader`` a restore
+            reaches ``training`` at most, since the data would not continue where it stopped;
+            with ``no_data_order=True`` it reaches ``strict``.
+
+    After a restore, :attr:`restore_reasons` says why the level reached is not higher.
     """
 
-    def __init__(
+    # One keyword per part of the run (DESIGN.md section 6); grouping them would hide the parts.
+    def __init__(  # noqa: PLR0913
         self,
         model: Any = None,
         optimizer: Any = None,
@@ -93,6 +105,7 @@ class TrainState:
         rng: bool = True,
         versions: Mapping[str, Any] | None = None,
         grads: bool = False,
+        no_data_order: bool = False,
     ) -> None:
         self.model = model
         if optimizer is not None and model is None:
@@ -105,6 +118,15 @@ class TrainState:
         self.scheduler_is_list = isinstance(scheduler, list | tuple)
         self.scaler = scaler
         self.dataloader = dataloader
+        self._cursor = cursor_of(dataloader) if dataloader is not None else None
+        if no_data_order and dataloader is not None:
+            raise InvalidArgumentError(
+                "TrainState: no_data_order=True declares there is no data order to restore, "
+                "but a dataloader= was given; pass one or the other"
+            )
+        self.no_data_order = no_data_order
+        self.restore_reasons: list[str] = []
+        """Why the last restore into this state reached no higher level (empty at strict)."""
         self.extra = extra if extra is not None else {}
         self.extra_given = extra is not None
         self.rng = rng
@@ -150,28 +172,42 @@ class TrainState:
         saved = mine if parts is None else set(parts) & mine
         training = {p for p in PARTS_BY_LEVEL["training"] if p in mine}
         # Strict needs the RNG, which a TrainState restoring strictly always asks for.
-        if "rng" in saved and {p for p in PARTS_BY_LEVEL["strict"] if p in mine} <= saved:
+        strict_parts = {p for p in PARTS_BY_LEVEL["strict"] if p in mine}
+        if "rng" in saved and strict_parts <= saved and not self.level_cap_reasons():
             return "strict"
         if training - {"model"} and training <= saved:
             return "training"
         return "weights"
 
-    def data_cursor(self) -> Any:
-        sd = getattr(self.dataloader, "state_dict", None)
-        from trainsnap.state.sampler import ElasticSampler
+    def level_cap_reasons(self) -> list[str]:
+        """Why this state cannot restore at ``strict`` whatever the snapshot (empty if it can):
+        it has no data cursor and does not declare ``no_data_order``, or captures no RNG."""
+        out = []
+        if self._cursor is None and not self.no_data_order:
+            out.append(
+                "this TrainState has no data cursor, so the data would not continue where it "
+                "stopped: pass dataloader= (a StatefulDataLoader, or a DataLoader over a "
+                "ts.ElasticSampler), or no_data_order=True if the loop has no data order"
+            )
+        if not self.rng:
+            out.append("this TrainState captures no RNG (rng=False)")
+        return out
 
-        if isinstance(self.dataloader, ElasticSampler) and sd is not None:
-            return sd()
-        return None
+    def level_cap(self) -> str:
+        """The highest level a restore into this state can reach (``training`` or ``strict``)."""
+        return "training" if self.level_cap_reasons() else "strict"
+
+    def data_cursor(self) -> Any:
+        sampler = self._cursor.elastic() if self._cursor is not None else None
+        return sampler.state_dict() if sampler is not None else None
 
     def counters(self) -> tuple[int | None, int | None]:
         """(tokens seen, samples seen), from ``extra`` or the elastic sampler."""
-        from trainsnap.state.sampler import ElasticSampler
-
         tokens = self.extra.get("tokens_seen")
         samples = self.extra.get("samples_seen")
-        if samples is None and isinstance(self.dataloader, ElasticSampler):
-            samples = self.dataloader.consumed
+        sampler = self._cursor.elastic() if self._cursor is not None else None
+        if samples is None and sampler is not None:
+            samples = sampler.consumed
         return (
             tokens if isinstance(tokens, int) else None,
             samples if isinstance(samples, int) else None,
@@ -201,7 +237,8 @@ class TrainState:
         if "scaler" in want:
             tree["scaler"] = self.scaler.state_dict()
         if "data" in want:
-            tree["data"] = self.dataloader.state_dict()
+            assert self._cursor is not None
+            tree["data"] = self._cursor.state_dict()
         if "rng" in want:
             tree["rng"] = rng_mod.capture()
         if "extra" in want:
@@ -285,7 +322,13 @@ class TrainState:
         tree = self._template(reached, snap)
         if "rng" in tree:  # before any tensor is filled in place
             rng_mod.check_plain(read_value)
-        return LoadPlan(tree, reached, problems[asked])
+        # Everything asked for is restored; the level said is what that gives this state.
+        reasons = list(problems[asked])
+        if level_rank(reached) > level_rank(self.level_cap()):
+            reached = self.level_cap()
+            reasons += self.level_cap_reasons()
+        self.restore_reasons = reasons
+        return LoadPlan(tree, reached, reasons)
 
     def _problems(
         self, level: str, snap: _SnapshotParts, manifest: Manifest, world: int
@@ -346,7 +389,8 @@ class TrainState:
         if "scaler" in parts:
             tree["scaler"] = self.scaler.state_dict()
         if "data" in parts:
-            tree["data"] = self.dataloader.state_dict()
+            assert self._cursor is not None
+            tree["data"] = self._cursor.state_dict()
         if "rng" in parts:
             tree["rng"] = rng_mod.template()
         if "extra" in parts:
@@ -379,7 +423,8 @@ class TrainState:
         if "scaler" in tree:
             self.scaler.load_state_dict(tree["scaler"])
         if "data" in tree:
-            self.dataloader.load_state_dict(tree["data"])
+            assert self._cursor is not None
+            self._cursor.load_state_dict(tree["data"])
         if "grads" in tree:
             assert self._parts is not None
             params = dict(self._parts.named_parameters())
@@ -387,6 +432,9 @@ class TrainState:
                 params[n].grad = g
         if "rng" in tree:
             rng_mod.restore(tree["rng"])  # last: nothing above may draw from it afterwards
+        if "data" in tree:
+            assert self._cursor is not None
+            self._cursor.after_restore()
 
     # -- a Stateful for anyone else -------------------------------------------------------
 
