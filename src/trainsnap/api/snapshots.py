@@ -25,7 +25,7 @@ from trainsnap.errors import (
 from trainsnap.format.manifest import LEVELS
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
-from trainsnap.protocol.control_plane import Comm, LocalComm, comm_for
+from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
 from trainsnap.protocol.load_protocol import run_load
 from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
@@ -161,19 +161,37 @@ def load(
 
 def is_damage(error: TrainsnapError) -> bool:
     """Whether a load failure on this rank is damage to the snapshot (or another rank's
-    failure), the failures after which a load may fall back to an older snapshot."""
+    failure), the failures after which a load may fall back to an older snapshot. A lost rank
+    is not: an older snapshot cannot load without it either."""
+    if _lost_a_rank(error):
+        return False
     return isinstance(error, CorruptError | IncompleteError | CommitFailedError)
+
+
+def _lost_a_rank(error: BaseException | None) -> bool:
+    seen = 0
+    while error is not None and seen < 16:  # the cause chain, bounded
+        if isinstance(error, PeerLost):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def agree_damage(comm: Comm, error: TrainsnapError) -> bool:
     """Whether every rank's load failure is damage to the snapshot (corrupt or incomplete
     data, another rank's failure), decided alike on every rank: only then may a load fall back
-    to an older snapshot. One gather and one broadcast."""
+    to an older snapshot. One gather and one broadcast; no vote when this rank saw a rank lost
+    (the vote would wait for it in vain), and a vote that fails decides no fallback, so the
+    load's own error is what every rank raises."""
+    if comm.world_size > 1 and _lost_a_rank(error):
+        return False
     session = comm.session("fallback")
     try:
         votes = session.gather("vote", is_damage(error))
         verdict = None if votes is None else all(votes)
         return bool(session.broadcast("verdict", verdict))
+    except TrainsnapError:
+        return False
     finally:
         session.close()
 
