@@ -298,3 +298,55 @@ def test_a_save_after_the_epoch_loop_exits_resumes_at_the_next_epochs_order(
     ts.load(train_state(fresh, rng=False), tmp_path)
     assert [b[0].tolist() for b in loader] == orders[1]
     assert [b[0].tolist() for b in loader] == orders[2]
+
+
+def test_a_restored_run_once_dropped_stops_its_loader_workers_at_once(
+    accelerate_state: None, tmp_path: Path
+) -> None:
+    """A run dropped after a restore is freed when its last reference goes, its loaders'
+    workers stopped then: the restore leaves no reference cycle holding the state. A
+    DataLoader iterator that only a cyclic collection frees has its queues' feeder threads
+    stopped (their finalizers run first) before its own shutdown sends each worker its last
+    message, so every worker is joined on torch's 5 s timeout, one after the other."""
+    import gc
+    import time
+    import weakref
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from trainsnap.integrations.accelerate import train_state
+
+    def run() -> tuple[Any, Any, ts.TrainState]:
+        accelerator = Accelerator(cpu=True, dataloader_config=_config())
+        data = torch.utils.data.TensorDataset(torch.arange(16.0))
+        plain = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, num_workers=2)
+        loader = accelerator.prepare(plain)
+        return accelerator, loader, train_state(accelerator, rng=False)
+
+    accelerator, loader, state = run()
+    next(iter(loader))
+    with ts.CheckpointManager(tmp_path) as manager:
+        manager.save(1, state)
+    del accelerator, loader, state, manager
+    AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()
+    gc.disable()  # what only a cyclic collection would free stays, whenever gc would run
+    try:
+        accelerator, loader, state = run()
+        with ts.CheckpointManager(tmp_path) as manager:
+            manager.restore(state, level="training")
+        iterator = loader.base_dataloader._iterator  # the resumed one, its workers started
+        workers = list(iterator._workers)
+        assert len(workers) == 2 and all(w.is_alive() for w in workers)
+        ref = weakref.ref(iterator)
+        started = time.perf_counter()
+        del iterator, accelerator, loader, state, manager
+        freed = ref() is None
+        gc.collect()
+        took = time.perf_counter() - started
+    finally:
+        gc.enable()
+    assert freed, "the restore left the run's objects in a reference cycle"
+    assert not any(w.is_alive() for w in workers)
+    assert took < 4.0  # under one worker's join timeout; 2 x 5 s when collected by gc

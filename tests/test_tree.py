@@ -196,6 +196,39 @@ def test_train_state_with_an_empty_extra_restores_the_saved_extra(tmp_path):
     assert extra == {"tokens_seen": 7, "note": "x"}
 
 
+class _Counter:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.n = state_dict["n"]
+
+
+def test_a_load_leaves_no_reference_to_the_state(tmp_path):
+    """Once loaded into, a stateful object is freed when its caller drops it, not by a later
+    cyclic collection (objects that stop something in ``__del__`` -- a DataLoader's iterator
+    with its worker processes -- rely on it)."""
+    import gc
+    import weakref
+
+    ts.save({"counter": _Counter(7), "extra": {"x": 1}}, tmp_path, step=1)
+    gc.collect()
+    gc.disable()  # what only a cyclic collection frees stays
+    try:
+        counter = _Counter()
+        ts.load({"counter": counter, "extra": {}}, tmp_path)
+        assert counter.n == 7
+        ref = weakref.ref(counter)
+        del counter
+        freed = ref() is None
+    finally:
+        gc.enable()
+    assert freed
+
+
 def _save_halves(rank: int, world: int, root: str) -> None:
     half = torch.full((2, 4), float(rank))
     ts.save({"w": ts.Sharded(half, global_shape=(4, 4), offsets=(2 * rank, 0))}, root, step=1)

@@ -134,10 +134,11 @@ class _Planner:
     def _stateful(self, obj: Any, saved: Any, key: str) -> Realize:
         sd = state_dict_of(obj, key)
         build = self.node(sd, saved, key, exact=isinstance(obj, torch.nn.Module))
+        stateful = self.stateful  # not self: see plan()
 
         def realize(decoded: dict[str, Any]) -> Any:
             new = build(decoded)
-            self.stateful.append(lambda: obj.load_state_dict(new))
+            stateful.append(lambda: obj.load_state_dict(new))
             return obj
 
         return realize
@@ -250,6 +251,13 @@ def plan(
         bound = dict.fromkeys(k for k in asked + planner.missing if rank_scoped(manifest, k))
         refuse_rank_bound(manifest, list(bound))
     _raise_unfit(manifest, planner)
+    # The closures below hold the planner's list of finishers, never the planner (which holds
+    # the targets that hold them): no reference cycle keeps the state's objects alive after
+    # the load, so they are freed when the caller drops them, not by a later cyclic
+    # collection (one that finds a DataLoader iterator there stops its queues' feeder
+    # threads before the iterator's own shutdown, whose workers then wait out their join
+    # timeout).
+    stateful = planner.stateful
 
     def assign(decoded: dict[str, Any]) -> None:
         for k, build in builds:
@@ -259,7 +267,7 @@ def plan(
             if root_obj[k] is not new:
                 root_obj[k] = new
         if root_obj is not state:
-            planner.stateful.append(lambda: state.load_state_dict(root_obj))
+            stateful.append(lambda: state.load_state_dict(root_obj))
 
     out = planner.targets
     out.assign = assign
