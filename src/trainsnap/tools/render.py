@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich import box
@@ -25,7 +25,9 @@ from trainsnap.format.regions import Flat, Region
 from trainsnap.manager.restarts import History, Run
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.tools import plot as plot_module
-from trainsnap.tools.diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff
+
+if TYPE_CHECKING:  # diff needs torch; the commands that only list or show start without it
+    from trainsnap.tools.diff import TensorDiff
 
 MAX_SHARDS_SHOWN = 3
 """Shards whose geometry ``show`` spells out per tensor; the rest are counted."""
@@ -270,7 +272,9 @@ def number_text(number: float | None) -> str:
     return "-" if number is None else f"{number:.3g}"
 
 
-_DIFF_GROUP = {CHANGED: 0, RETYPED: 0, RESHAPED: 1, ADDED: 2, REMOVED: 3, UNCHANGED: 4}
+_DIFF_GROUP = {"changed": 0, "retyped": 0, "reshaped": 1, "added": 2, "removed": 3, "unchanged": 4}
+"""Order of :mod:`trainsnap.tools.diff`'s statuses in a table (its names, spelled here so that
+this module does not import torch)."""
 
 
 def diff_order(diff: TensorDiff) -> tuple[int, float, str, int]:
