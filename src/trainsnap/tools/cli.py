@@ -261,13 +261,20 @@ _STEP_RE = re.compile(r"(?:step-?)?(\d{1,18})")
 
 def _snapshot(storage: Storage, name: str, *, committed_only: bool = True) -> str:
     """The snapshot id ``name`` stands for: ``latest``, a full id, or a step (``55`` or
-    ``step-55``). A name that matches nothing is refused with the closest ids or steps."""
-    from trainsnap.format.manifest import check_snapshot_id
+    ``step-55``). A stored id is returned as is (opening it says what is wrong with it, if
+    anything; ``committed_only`` asks for a committed one); a name that matches nothing is
+    refused with the closest ids or steps."""
     from trainsnap.protocol import commit
 
     if name == "latest":
         return commit.resolve(storage, name)
-    found = commit.list_committed(storage)
+    stored = commit.snapshot_ids(storage)
+    if name in stored:
+        if committed_only:
+            commit.committed_marker(storage, name)  # uncommitted or damaged: its own error
+        return name
+    damaged: list[TrainsnapError] = []  # their ids are not candidates; verify reports them
+    found = commit.list_committed(storage, damaged)
     step = _STEP_RE.fullmatch(name.strip().lower())
     if step:
         wanted = int(step.group(1))
@@ -287,27 +294,15 @@ def _snapshot(storage: Storage, name: str, *, committed_only: bool = True) -> st
             f"`trainsnap ls {storage.url}` lists them",
             path=storage.url,
         )
-    ids = [c.snapshot_id for c in found]
-    if name in ids:
-        return name
-    if not committed_only and name in _all_ids(storage):
-        return check_snapshot_id(name)
-    close = difflib.get_close_matches(name, ids, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, [c.snapshot_id for c in found], n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise NotFoundError(
-        f"snapshot {name} does not exist in {storage.url} (no committed snapshot has that id); "
-        f"{hint}"
+        f"snapshot {name} does not exist in {storage.url}; {hint}"
         f"`trainsnap ls {storage.url}` lists the snapshots (ID may be an id, a step such as 55 "
         "or step-55, or 'latest')",
         path=storage.url,
         snapshot_id=name,
     )
-
-
-def _all_ids(storage: Storage) -> set[str]:
-    from trainsnap.protocol import commit
-
-    return commit.snapshot_ids(storage)
 
 
 # -- ls -------------------------------------------------------------------------------------------
