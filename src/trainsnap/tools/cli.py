@@ -552,8 +552,8 @@ def history_command(
 
     storage = _open_root(root)
     job = restarts.history(lease.events(storage), lease.progress(storage))
-    if as_json:
-        _out().print_json(json.dumps(job.as_dict()))
+    if as_json:  # strict JSON: no NaN or infinity, whatever the log held
+        typer.echo(json.dumps(job.as_dict(), indent=2, allow_nan=False))
     elif not job.runs:
         found = commit.list_committed(storage)
         _say(
@@ -563,7 +563,7 @@ def history_command(
         )
     else:
         _out().print(render.history_table(job.runs))
-        for line in render.history_totals(job):
+        for line in (*render.HISTORY_NOTES, *render.history_totals(job)):
             _say(line)
     if plot is not None and job.runs:
         _say(f"plot: {render.history_chart(job, plot)}")
