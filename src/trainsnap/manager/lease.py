@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from trainsnap.errors import CommitFailedError
-from trainsnap.storage.base import Storage
+from trainsnap.storage.base import NotRegularFileError, Storage
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,11 @@ def read_advisory(storage: Storage, key: str) -> dict[str, Any] | None:
             return None
         data = storage.get(key, 0, size) if size else b""
         doc = json.loads(data, parse_constant=_reject_constant)
+    except NotRegularFileError as e:  # a FIFO, a device, a link: never opened
+        _skip(storage, key, f"not a regular file: {e.strerror}")
+        return None
     except FileNotFoundError:
-        return None  # removed since listed (a generation pruned), or not a regular file
+        return None  # removed since listed (a generation pruned)
     except (OSError, ValueError, RecursionError) as e:
         _skip(storage, key, f"{type(e).__name__}: {e}")
         return None
