@@ -91,22 +91,58 @@ def test_ls_hides_uncommitted_snapshot(root: Path) -> None:
     assert "1 uncommitted snapshot(s) not listed" in res.stdout
 
 
-def test_ls_missing_root(tmp_path: Path) -> None:
-    missing = tmp_path / "nothing-here"
-    res = run("ls", str(missing))
+@pytest.mark.parametrize("command", [["ls"], ["gc", "--dry-run"], ["history"], ["show"]])
+def test_a_root_that_is_missing_a_file_or_a_snapshot_is_an_error(
+    root: Path, command: list[str]
+) -> None:
+    """Why: `ls`, `gc --dry-run` and `history` on these printed "no committed snapshots", exit 0."""
+    missing = root / "nothing-here"
+    res = run(*command, str(missing))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(f"error: root {missing} does not exist")
+    afile = root / "a-file"
+    afile.write_text("not a root")
+    res = run(*command, str(afile))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith(f"error: root {afile} is a file")
+    sid = ids_by_step(root)[5]
+    res = run(*command, str(root / "snapshots" / sid))
+    assert res.exit_code == 2, res.output
+    assert f"is the snapshot directory of snapshot {sid}" in res.stderr
+    assert f"its root is {root}" in res.stderr
+    res = run(*command, str(root / "objects"))
+    assert res.exit_code == 2 and f"the objects/ folder of the root {root}" in res.stderr
+
+
+def test_ls_of_an_empty_directory_says_it_holds_nothing(tmp_path: Path) -> None:
+    res = run("ls", str(tmp_path))
     assert res.exit_code == 0, res.output
-    assert f"no committed snapshots in {missing}" in res.stdout
+    assert f"no committed snapshots in {tmp_path}" in res.stdout
 
 
-def test_ls_verify_marks_corrupt_snapshot(root: Path) -> None:
+def test_a_file_as_root_is_a_trainsnap_error_naming_it(tmp_path: Path) -> None:
+    """Why: a file as root gave a raw NotADirectoryError from deep in a save."""
+    afile = tmp_path / "weights.pt"
+    afile.write_bytes(b"x")
+    with pytest.raises(trainsnap.InvalidArgumentError, match="is a file") as e:
+        trainsnap.save({"w": torch.ones(2)}, afile, step=1)
+    assert e.value.path == str(afile)
+    with pytest.raises(trainsnap.InvalidArgumentError, match="is a file"):
+        trainsnap.list_snapshots(afile)
+
+
+def test_ls_verify_marks_corrupt_snapshot_and_exits_1(root: Path) -> None:
+    """Why: `ls --verify` marked a snapshot CORRUPT and exited 0."""
     ids = ids_by_step(root)
     flip_byte(root, ids[1])
     res = run("ls", str(root), "--verify")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output
     rows = {
         line.split()[1]: line.split()[-1] for line in res.stdout.splitlines() if "step-" in line
     }
     assert rows == {ids[1]: "CORRUPT", ids[5]: "ok", ids[10]: "ok"}
+    assert "damage in 1 snapshot(s)" in res.stderr
+    assert run("ls", str(root)).exit_code == 0  # listing alone does not judge
 
 
 # -- show -----------------------------------------------------------------------------------------
@@ -139,6 +175,44 @@ def test_show_json_latest(root: Path) -> None:
     ]
     assert [v["key"] for v in doc["values"]] == ["epoch"]
     assert doc["objects"]["nbytes"] == doc["nbytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["5", "step-5", "step-000000000005"])
+def test_a_snapshot_is_named_by_its_step(root: Path, name: str) -> None:
+    """Why: there was no way to name a snapshot by its step (`show ROOT 55`)."""
+    sid = ids_by_step(root)[5]
+    res = run("show", str(root), name, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["id"] == sid
+    assert run("verify", str(root), name).stdout.startswith(f"{sid}: ok")
+
+
+def test_a_step_not_saved_names_the_nearest_saved_steps(root: Path) -> None:
+    res = run("show", str(root), "6")
+    assert res.exit_code == 2
+    assert "no committed snapshot of step 6" in res.stderr
+    assert "nearest saved step(s): 1, 5, 10" in res.stderr
+
+
+def test_a_mistyped_id_gets_did_you_mean(root: Path) -> None:
+    """Why: a typo in an id got no suggestion."""
+    sid = ids_by_step(root)[10]
+    typo = sid[:-1] + ("0" if sid[-1] != "0" else "1")
+    res = run("show", str(root), typo)
+    assert res.exit_code == 2
+    assert f"did you mean {sid}" in res.stderr
+
+
+def test_interval_errors_name_the_options_as_typed() -> None:
+    """Why: `interval --cost 0s` answered with the internal parameter name `cost_s`."""
+    res = run("interval", "--cost", "0s", "--mtbf", "4h")
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: --cost '0s' is not a positive duration")
+    assert "cost_s" not in res.output
+    res = run("interval", "--cost", "30s", "--mtbf", "4x")
+    assert res.exit_code == 2 and res.stderr.startswith("error: --mtbf: cannot read '4x'")
+    res = run("gc", "/nonexistent-root", "--grace", "soon")
+    assert res.exit_code == 2 and res.stderr.startswith("error: --grace:")
 
 
 def test_show_unknown_id_is_an_error(root: Path) -> None:

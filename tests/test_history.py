@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import signal
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 import trainsnap as ts
 from trainsnap.manager import lease, restarts
+from trainsnap.tools import render
 
 _TRAIN = textwrap.dedent(
     """
@@ -154,3 +158,104 @@ def test_lost_work_is_the_step_reached_less_the_step_restored() -> None:
     assert (second.lost_steps, second.lost_seconds) == (7, 7.0)  # steps 41..47, 5 s -> 12 s
     assert job.down_seconds == 24.0 - 12.0 and job.lost_seconds == 7.0
     assert job.goodput == (60.0 - 12.0 - 7.0) / 60.0
+
+
+# -- what the history says, on hand-made logs ------------------------------------------------------
+
+
+def _crash_then_restart(progress_seconds: float | None) -> list[dict[str, Any]]:
+    start: dict[str, Any] = {"time": 0.0, "generation": 1, "kind": "start"}
+    if progress_seconds is not None:
+        start["progress_seconds"] = progress_seconds
+    return [
+        start,
+        {"time": 5.0, "generation": 1, "kind": "save", "snapshot": "a", "step": 40, "pause": 0.01},
+        {"time": 20.0, "generation": 2, "kind": "start", "progress_seconds": 30.0},
+        {"time": 23.0, "generation": 2, "kind": "restore", "snapshot": "a", "step": 40},
+        {"time": 60.0, "generation": 2, "kind": "close"},
+    ]
+
+
+def test_lost_work_is_a_lower_bound_unless_every_step_was_recorded() -> None:
+    """Why: a crash's lost work was reported as exact ("lost 0 step(s)") though the last progress
+    record may be older than the steps really lost."""
+    progress = {1: {"step": 47, "time": 12.0}}
+    sparse = restarts.history(_crash_then_restart(30.0), progress).runs[1]
+    assert (sparse.lost_steps, sparse.lost_is_lower_bound) == (7, True)
+    unknown = restarts.history(_crash_then_restart(None), progress).runs[1]
+    assert unknown.lost_is_lower_bound  # an older log: nothing says the record was current
+    exact = restarts.history(_crash_then_restart(0.0), progress).runs[1]
+    assert (exact.lost_steps, exact.lost_is_lower_bound) == (7, False)
+    job = restarts.history(_crash_then_restart(30.0), progress)
+    cells = _table_rows(job)[1]
+    assert ">=7" in cells
+    assert any("at least" in line for line in render.history_totals(job))
+
+
+def _table_rows(job: restarts.History, width: int = 100) -> list[list[str]]:
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(render.history_table(job.runs))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), text
+    return [line.split() for line in lines[3:] if line.strip()]
+
+
+def test_history_fits_100_columns_with_seconds_to_useful_precision() -> None:
+    """Why: `history` printed a 137-column table and "Young 0 s, Daly 0 s" (rounded away)."""
+    events = _crash_then_restart(30.0)
+    events[3].update(seconds=0.0123, since_start=2.5, level="training")
+    events[1]["snapshot"] = events[3]["snapshot"] = "step-000000000040-0123abcd"
+    events[1]["pause"] = 0.001  # a fast save: the implied interval is under a second
+    events.append({"time": 24.0, "generation": 2, "kind": "first_step", "seconds": 0.25})
+    job = restarts.history(events, {1: {"step": 47, "time": 12.0}})
+    rows = _table_rows(job)
+    assert len(rows) == 2  # one line per run: nothing wrapped at 100 columns
+    assert rows[1][:7] == ["2", *rows[1][1:3], "close", "40", "40", "training"]
+    assert rows[1][-3:] == ["7", "0.0123", "0.25"]  # lost s, restore s, to step s
+    totals = "\n".join(render.history_totals(job))
+    assert job.young_seconds is not None and job.young_seconds < 1
+    assert f"Young {job.young_seconds:.3g} s" in totals and "Young 0 s" not in totals
+    assert all(len(line) <= 100 for line in (*render.HISTORY_NOTES, *totals.splitlines()))
+
+
+def test_an_exit_without_close_counts_alike_in_table_and_totals() -> None:
+    """Why: the newest run without close() was a crash in the table but not in the totals."""
+    events = [
+        {"time": 0.0, "generation": 1, "kind": "start"},
+        {"time": 50.0, "generation": 1, "kind": "save", "snapshot": "a", "step": 5},
+        {"time": 100.0, "generation": 2, "kind": "start"},
+        {"time": 150.0, "generation": 2, "kind": "save", "snapshot": "b", "step": 9},
+    ]
+    job = restarts.history(events, {})
+    assert [r.end for r in job.runs] == ["crash", "running"]
+    assert job.crashes == sum(r.end == "crash" for r in job.runs) == 1
+    assert job.mtbf_seconds == (50.0 + 50.0) / 1
+
+
+def test_a_writer_alive_after_the_takeover_is_superseded_not_crashed() -> None:
+    """Why: a second job on a live root recorded and showed the first as a crash."""
+    events = [
+        {"time": 0.0, "generation": 1, "kind": "start"},
+        {"time": 100.0, "generation": 2, "kind": "start"},
+        {"time": 130.0, "generation": 1, "kind": "save", "snapshot": "a", "step": 9},
+        {"time": 200.0, "generation": 2, "kind": "close"},
+    ]
+    job = restarts.history(events, {})
+    assert [r.end for r in job.runs] == ["superseded", "close"]
+    assert job.crashes == 0 and job.mtbf_seconds is None
+    taken = [events[0], {"time": 100.0, "generation": 2, "kind": "takeover",
+                         "previous_generation": 1}]  # fmt: skip
+    assert restarts.history(taken, {}).runs[0].end == "superseded"
+
+
+def test_a_second_job_on_a_live_root_records_a_takeover_not_a_crash(tmp_path: Path) -> None:
+    first = ts.CheckpointManager(tmp_path, interval=ts.Every(steps=1), async_save=False)
+    first.step(0, {"w": torch.ones(2)})
+    second = ts.CheckpointManager(tmp_path, interval=ts.Every(steps=1), async_save=False)
+    second.close()
+    kinds = [e["kind"] for e in lease.events(ts.open_storage(tmp_path))]
+    assert "crash_detected" not in kinds and "takeover" in kinds
+    assert restarts.history(lease.events(ts.open_storage(tmp_path)), {}).runs[0].end != "crash"
+    with contextlib.suppress(ts.TrainsnapError):
+        first.close()  # superseded: it may not commit any more

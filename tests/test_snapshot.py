@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trainsnap as ts
-from trainsnap.format.values import _DTYPES
+from trainsnap.format.values import _dtypes
 
-ALL_DTYPES = sorted(_DTYPES.values(), key=str)
+ALL_DTYPES = sorted(_dtypes().values(), key=str)
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -8,7 +8,10 @@ its message says what failed, the likely cause and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+MAX_LISTED = 20
+"""Items an error message spells out (problems, keys, snapshot ids); the rest are counted."""
 
 __all__ = [
     "CommitFailedError",
@@ -21,6 +24,27 @@ __all__ = [
 ]
 
 
+def bounded(items: Iterable[str], *, see_all: str = "", limit: int = MAX_LISTED) -> list[str]:
+    """The first ``limit`` of ``items``, then, when there are more, one line counting the rest
+    and saying where to see them all (``see_all``, e.g. "`trainsnap show ROOT` lists every
+    key"). A message stays readable however many keys a state has. O(len(items))."""
+    shown: list[str] = []
+    total = 0
+    for item in items:
+        if total < limit:
+            shown.append(item)
+        total += 1
+    if total > limit:
+        where = f"; {see_all}" if see_all else ""
+        shown.append(f"... and {total - limit} more ({total} in all{where})")
+    return shown
+
+
+def listed(items: Iterable[str], *, see_all: str = "", limit: int = MAX_LISTED) -> str:
+    """:func:`bounded` as one comma-separated phrase, for a list inside a sentence."""
+    return ", ".join(bounded(items, see_all=see_all, limit=limit))
+
+
 class TrainsnapError(Exception):
     """Base of every error trainsnap raises on purpose.
 
@@ -30,7 +54,10 @@ class TrainsnapError(Exception):
         path: the storage path or URL concerned, when known.
         rank: the rank on which it happened, when known.
         problems: for errors that gather several findings (verification, a collective failure),
-            each finding as one line.
+            each finding as one line: all of them, while the message shows the first
+            :data:`MAX_LISTED` and counts the rest.
+        see_all: where the user can see everything when the message lists only part (a
+            command, or the attribute).
     """
 
     def __init__(
@@ -42,6 +69,7 @@ class TrainsnapError(Exception):
         path: str | None = None,
         rank: int | None = None,
         problems: Sequence[str] = (),
+        see_all: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -50,11 +78,12 @@ class TrainsnapError(Exception):
         self.path = path
         self.rank = rank
         self.problems = list(problems)
+        self.see_all = see_all or "every one is in the error's `problems` attribute"
 
     def __str__(self) -> str:
         if not self.problems:
             return self.message
-        lines = [self.message, *(f"  - {p}" for p in self.problems)]
+        lines = [self.message, *(f"  - {p}" for p in bounded(self.problems, see_all=self.see_all))]
         return "\n".join(lines)
 
 
@@ -93,11 +122,18 @@ class CommitFailedError(TrainsnapError):
         path: str | None = None,
         rank: int | None = None,
         problems: Sequence[str] = (),
+        see_all: str = "",
     ) -> None:
         errs = dict(rank_errors or {})
         lines = list(problems) or [f"rank {r}: {e}" for r, e in sorted(errs.items())]
         super().__init__(
-            message, snapshot_id=snapshot_id, key=key, path=path, rank=rank, problems=lines
+            message,
+            snapshot_id=snapshot_id,
+            key=key,
+            path=path,
+            rank=rank,
+            problems=lines,
+            see_all=see_all,
         )
         self.rank_errors = errs
 

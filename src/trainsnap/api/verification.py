@@ -26,6 +26,7 @@ from trainsnap.errors import (
     IncompleteError,
     NotFoundError,
     TrainsnapError,
+    listed,
 )
 from trainsnap.format import compression
 from trainsnap.format.manifest import Manifest, object_key
@@ -99,10 +100,11 @@ class VerifyReport:
         bad = sorted({p.snapshot_id for p in probs})
         raise kind(
             f"verification of {self.root} found {len(probs)} problem(s) in snapshot(s) "
-            f"{', '.join(bad)}. Do not resume from them; restore an older snapshot.",
+            f"{listed(bad)}. Do not resume from them; restore an older snapshot.",
             snapshot_id=bad[0],
             path=probs[0].path,
             problems=[str(p) for p in probs],
+            see_all=f"`trainsnap verify {self.root}` lists every one",
         )
 
 

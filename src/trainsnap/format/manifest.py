@@ -29,7 +29,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from trainsnap.errors import IncompatibleError
+from trainsnap.errors import IncompatibleError, listed
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.regions import Box, Flat, Region, Shape
 
@@ -437,5 +437,5 @@ def level_rank(level: str) -> int:
 
 
 def keys_summary(keys: Sequence[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    """The first ``limit`` keys, then how many more (:func:`trainsnap.errors.listed`)."""
+    return listed((repr(k) for k in keys), limit=limit)

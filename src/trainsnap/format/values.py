@@ -19,12 +19,16 @@ import json
 import math
 import pathlib
 import pickle
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final
+from functools import cache
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
 
@@ -112,9 +116,10 @@ def _enc(value: Any, path: str) -> Any:
         if math.isfinite(value):
             return float(value)
         return {"$float": repr(float(value))}
-    if isinstance(value, torch.Size):
+    torch = sys.modules.get("torch")  # no torch value can exist before torch is imported
+    if torch is not None and isinstance(value, torch.Size):
         return {"$size": [int(x) for x in value]}
-    if isinstance(value, torch.dtype):
+    if torch is not None and isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value)}
     if isinstance(value, bytes | bytearray):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
@@ -163,6 +168,8 @@ def _dec(value: Any) -> Any:
         if tag == "$bytes":
             return base64.b64decode(body)
         if tag == "$size":
+            import torch
+
             return torch.Size(int(x) for x in body)
         if tag == "$dtype":
             return dtype_from_name(body)
@@ -301,55 +308,64 @@ def decode(codec: str, data: bytes, key: str, *, allow_pickle: PickleKeys, snaps
 # -- dtypes ---------------------------------------------------------------------------------------
 
 
-def _dtype_table() -> dict[str, torch.dtype]:
-    names = [
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex128",
-        "complex64",
-        "complex32",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-    ]
+_ITEMSIZES: Final = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+"""Every dtype name a snapshot may record, and its bytes per element (torch's ``itemsize``):
+the manifest's checks use it without importing torch."""
+
+
+@cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtypes of :data:`_ITEMSIZES` this torch has (imported on first use)."""
+    import torch
+
     table = {}
-    for n in names:
+    for n in _ITEMSIZES:
         dt = getattr(torch, n, None)
         if isinstance(dt, torch.dtype):
             table[n] = dt
     return table
 
 
-_DTYPES: Final = _dtype_table()
-_NAMES: Final = {v: k for k, v in _DTYPES.items()}
+@cache
+def _names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _dtypes().items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _NAMES[dtype]
+        return _names()[dtype]
     except KeyError:
         raise InvalidArgumentError(
-            f"dtype {dtype} is not supported by trainsnap; supported: {sorted(_DTYPES)}"
+            f"dtype {dtype} is not supported by trainsnap; supported: {sorted(_dtypes())}"
         ) from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return _dtypes()[name]
     except KeyError:
         raise IncompatibleError(
             f"dtype {name!r} is unknown to this trainsnap/torch; upgrade them to read it"
@@ -357,4 +373,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return dtype_from_name(name).itemsize
+    """Bytes per element of the dtype ``name``, without importing torch."""
+    try:
+        return _ITEMSIZES[name]
+    except KeyError:
+        raise IncompatibleError(
+            f"dtype {name!r} is unknown to this trainsnap/torch; upgrade them to read it"
+        ) from None

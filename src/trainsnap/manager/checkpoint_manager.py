@@ -183,7 +183,7 @@ class CheckpointManager:
         gen = self.generation
         assert gen is not None
         evs = lease.events(self.storage)
-        crashed = lease.last_generation_crashed(evs, gen)
+        crashed = lease.last_generation_crashed(evs, gen, storage=self.storage)
         if crashed is not None:
             lease.record(
                 self.storage,
@@ -200,7 +200,13 @@ class CheckpointManager:
                 crashed["generation"],
                 crashed["kind"],
             )
-        lease.record(self.storage, gen, "start", interval=repr(self.policies))
+        lease.record(
+            self.storage,
+            gen,
+            "start",
+            interval=repr(self.policies),
+            progress_seconds=self.options.progress_seconds,
+        )
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
     def _tiers(self) -> list[Tier]:
@@ -308,12 +314,13 @@ class CheckpointManager:
             return
         previous, run = runs[-2], runs[-1]
         log.info(
-            "restart: generation %d restored step %s (%s): lost %d step(s), %.1f s of training; "
+            "restart: generation %d restored step %s (%s): lost %s%d step(s), %.1f s of training; "
             "the previous run reached step %s and ended with %s; restore %.3f s, %.1f s after "
             "the process started",
             run.generation,
             run.restored_step,
             run.restored_snapshot,
+            "at least " if run.lost_is_lower_bound else "",
             run.lost_steps,
             run.lost_seconds or 0.0,
             previous.step_reached,

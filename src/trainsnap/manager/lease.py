@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from trainsnap.errors import CommitFailedError, InvalidArgumentError
-from trainsnap.storage.base import Storage
+from trainsnap.storage.base import NotRegularFileError, Storage
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +35,74 @@ _GEN = "lease/gen-"
 _REL = "lease/released-"
 _PROBE = "lease/probe-"
 
+MAX_ADVISORY_BYTES: Final = 64 << 10
+"""Largest event, progress record or lease entry read (trainsnap writes a few hundred bytes):
+a larger one is skipped unread, so a crafted or sparse file cannot make a reader allocate by its
+claimed size."""
+MAX_GENERATION: Final = 10**15
+"""Largest writer generation believed (one per job start: far beyond any real job)."""
+MAX_TIME: Final = 1e11
+"""Latest event time believed (seconds since the epoch, year 5138): later ones are malformed."""
+
+_warned: set[str] = set()
+
+
+def _skip(storage: Storage, key: str, why: str) -> None:
+    """Warn, once per process and key, that the advisory file ``key`` is skipped: the restart
+    log, progress and lease never stop training, but a user should learn one was damaged."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("skipping %s/%s (%s): it is advisory, training goes on", storage.url, key, why)
+
+
+def _generation_of(name: str) -> int | None:
+    """The generation a lease or progress file name carries, if it is a plain number in range."""
+    if not (name.isascii() and name.isdigit()) or len(name) > 16:
+        return None
+    value = int(name)
+    return value if 0 < value <= MAX_GENERATION else None
+
 
 def _gens(storage: Storage) -> list[int]:
     out = []
     for key in storage.list("lease/"):
         if key.startswith(_GEN):
-            try:
-                out.append(int(key[len(_GEN) :]))
-            except ValueError:
+            generation = _generation_of(key[len(_GEN) :])
+            if generation is None:
+                _skip(storage, key, "not a generation number")
                 continue
+            out.append(generation)
     return sorted(out)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_advisory(storage: Storage, key: str) -> dict[str, Any] | None:
+    """The JSON object stored under ``key`` (an event, a progress record, a lease entry), or
+    None, with a warning naming it, when it is missing, not a regular file, larger than
+    :data:`MAX_ADVISORY_BYTES` (checked with ``stat`` before reading), or not a JSON object
+    (NaN and infinities included). Reads at most :data:`MAX_ADVISORY_BYTES`; never raises."""
+    try:
+        size = storage.stat(key)
+        if size > MAX_ADVISORY_BYTES:
+            _skip(storage, key, f"{size} bytes, more than the {MAX_ADVISORY_BYTES} allowed")
+            return None
+        data = storage.get(key, 0, size) if size else b""
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except NotRegularFileError as e:  # a FIFO, a device, a link: never opened
+        _skip(storage, key, f"not a regular file: {e.strerror}")
+        return None
+    except FileNotFoundError:
+        return None  # removed since listed (a generation pruned)
+    except (OSError, ValueError, RecursionError) as e:
+        _skip(storage, key, f"{type(e).__name__}: {e}")
+        return None
+    if not isinstance(doc, dict):
+        _skip(storage, key, f"a JSON {type(doc).__name__}, not an object")
+        return None
+    return doc
 
 
 def current_generation(storage: Storage) -> int:
@@ -61,11 +120,8 @@ def is_released(storage: Storage, generation: int) -> bool:
 
 def released_newest(storage: Storage, generation: int) -> str | None:
     """The newest snapshot the released writer ``generation`` committed, if it said."""
-    try:
-        doc = json.loads(storage.get(f"{_REL}{generation:012d}"))
-    except (FileNotFoundError, ValueError, RecursionError):
-        return None
-    newest = doc.get("newest") if isinstance(doc, dict) else None
+    doc = read_advisory(storage, f"{_REL}{generation:012d}")
+    newest = doc.get("newest") if doc is not None else None
     return newest if isinstance(newest, str) else None
 
 
@@ -186,27 +242,55 @@ def record_progress(storage: Storage, generation: int, step: int) -> None:
 
 
 def progress(storage: Storage) -> dict[int, dict[str, Any]]:
-    """Every generation's progress record, by generation."""
+    """Every generation's progress record, by generation: ``step`` (an int) and ``time`` (a
+    finite number of seconds). A malformed record is skipped with a warning naming it."""
     out: dict[int, dict[str, Any]] = {}
     for key in storage.list("progress/"):
-        try:
-            doc = json.loads(storage.get(key))
-            generation = int(key[len(_PROGRESS) :].removesuffix(".json"))
-        except (OSError, ValueError, RecursionError):
+        generation = _generation_of(key[len(_PROGRESS) :].removesuffix(".json"))
+        if not key.startswith(_PROGRESS) or generation is None:
+            _skip(storage, key, "not named progress/gen-<generation>.json")
             continue
-        if isinstance(doc, dict):
-            out[generation] = doc
+        doc = read_advisory(storage, key)
+        if doc is None:
+            continue
+        if _number(doc.get("time")) is None or not _is_int(doc.get("step")):
+            _skip(storage, key, "no integer step and time in range")
+            continue
+        out[generation] = doc
     return out
 
 
 def events(storage: Storage) -> list[dict[str, Any]]:
+    """The restart log: every event, oldest key first. Each holds ``time`` (finite seconds
+    since the epoch, at most :data:`MAX_TIME`), ``generation`` (a positive int) and ``kind`` (a
+    str); a malformed one is skipped with a warning naming it. O(events), each read bounded."""
     out = []
     for key in sorted(storage.list("events/")):
-        try:
-            out.append(json.loads(storage.get(key)))
-        except (OSError, ValueError, RecursionError):
+        doc = read_advisory(storage, key)
+        if doc is None:
             continue
+        generation: Any = doc.get("generation")
+        if (
+            _number(doc.get("time")) is None
+            or not (_is_int(generation) and 0 < generation <= MAX_GENERATION)
+            or not isinstance(doc.get("kind"), str)
+        ):
+            _skip(storage, key, "not an event: needs a time, a generation and a kind")
+            continue
+        out.append(doc)
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a time, if it is a finite number in [0, MAX_TIME]."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    seconds = float(value) if abs(value) < 2 * MAX_TIME else math.inf
+    return seconds if 0 <= seconds <= MAX_TIME else None
 
 
 def observed_mtbf(evs: list[dict[str, Any]]) -> tuple[float | None, int]:
@@ -231,11 +315,53 @@ def observed_mtbf(evs: list[dict[str, Any]]) -> tuple[float | None, int]:
     return uptime / crashes, crashes
 
 
-def last_generation_crashed(evs: list[dict[str, Any]], before: int) -> dict[str, Any] | None:
-    """The last event of the newest generation older than ``before``, if it ended in a crash."""
+def writer_alive(storage: Storage, generation: int) -> bool | None:
+    """Whether the process that took ``generation`` still runs: known only on its own host
+    (its lease entry names host and pid); None elsewhere or when the entry is unreadable."""
+    owner = read_advisory(storage, f"{_GEN}{generation:012d}")
+    if owner is None or owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    except OSError:
+        return None
+    return True
+
+
+def last_generation_crashed(
+    evs: list[dict[str, Any]], before: int, storage: Storage | None = None
+) -> dict[str, Any] | None:
+    """The last event of the newest generation older than ``before``, if it ended in a crash.
+
+    With ``storage``, a previous writer that still runs on this host is not a crash: a second
+    job took the root over from a live one (which can no longer commit). That is logged and
+    recorded as a ``takeover`` event of ``before``, and None is returned. (On another host
+    liveness is unknown at start; ``trainsnap history`` shows such a writer as superseded once
+    it is seen writing after the takeover.)"""
     older = [e for e in evs if int(e.get("generation", 0)) < before]
     if not older:
         return None
     g = max(int(e["generation"]) for e in older)
     last = max((e for e in older if int(e["generation"]) == g), key=lambda e: e["time"])
-    return None if last["kind"] in ("close", "preempt") else last
+    if last["kind"] in ("close", "preempt"):
+        return None
+    if storage is not None and writer_alive(storage, g):
+        log.warning(
+            "writer generation %d still runs on this host: generation %d takes %s over from a "
+            "live job, which can no longer commit (stop one of them)",
+            g,
+            before,
+            storage.url,
+        )
+        record(storage, before, "takeover", previous_generation=g)
+        return None
+    return last

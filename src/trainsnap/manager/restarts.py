@@ -5,13 +5,19 @@ dictionaries (:func:`trainsnap.manager.lease.events`) and progress records
 
 Definitions (all times are wall-clock seconds from the events):
 
-* A run is one writer generation. It ends in ``close``, ``preempt`` (a clean stop), or a crash
-  (its last event is anything else); the newest run may still be ``running``.
+* A run is one writer generation. It ends in ``close``, ``preempt`` (a clean stop),
+  ``superseded`` (a newer job took the root over while it still ran: it recorded a sign of life
+  after the next run started, or the next run saw it alive), or ``crash`` (its last event is
+  anything else). The newest run, without a clean end, is ``running``: it may still run, or it
+  exited without ``close()``; it is not counted as a crash, in the table or in the totals, until
+  a newer run follows it.
 * The step a run *reached* is the highest step it recorded: its progress record (written at most
   every ``ManagerOptions.progress_seconds``), its saves, its restore.
 * The *lost work* of a restart: the step the previous run reached minus the step restored, and
   the training seconds between the save of the restored step and the previous run's last
-  progress.
+  progress. It is exact when the previous run recorded every step (``progress_seconds=0``) or
+  stopped on a preemption, and otherwise a lower bound (``lost_is_lower_bound``): the run may
+  have gone on for up to ``progress_seconds`` after its last record.
 * *Restore* seconds: resolving, reading, verifying and applying the snapshot; *since start*:
   from the process's start to the restore done; *to first step*: from the restore done to the
   first completed step after it.
@@ -22,15 +28,16 @@ Definitions (all times are wall-clock seconds from the events):
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainsnap.manager.lease import observed_mtbf
 from trainsnap.manager.policies import daly_interval, young_interval
 
 CLEAN_ENDS = ("close", "preempt")
+ENDS = (*CLEAN_ENDS, "superseded", "crash", "running")
 
 
 @dataclass(slots=True)
@@ -41,7 +48,7 @@ class Run:
     started: float
     ended: float
     end: str
-    """``close``, ``preempt``, ``crash`` or ``running``."""
+    """One of :data:`ENDS`."""
     step_reached: int | None = None
     time_reached: float | None = None
     restored_step: int | None = None
@@ -53,6 +60,10 @@ class Run:
     to_first_step_seconds: float | None = None
     lost_steps: int | None = None
     lost_seconds: float | None = None
+    lost_is_lower_bound: bool = False
+    """The previous run may have gone further than its last progress record said."""
+    progress_seconds: float | None = None
+    """How often this run recorded its progress (None: not recorded, an older log)."""
     saves: list[tuple[float, int]] = field(default_factory=list)
     save_pauses: list[float] = field(default_factory=list)
 
@@ -76,27 +87,48 @@ class History:
     interval_in_use: str | None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data for strict JSON: a number that is not finite becomes None."""
+        out: dict[str, Any] = _finite(asdict(self))
+        return out
 
 
 def history(
     events: Sequence[Mapping[str, Any]], progress: Mapping[int, Mapping[str, Any]]
 ) -> History:
-    """The runs in ``events`` (any order), with ``progress`` by generation."""
-    runs = [
-        _run(gen, evs, progress.get(gen)) for gen, evs in sorted(_by_generation(events).items())
-    ]
-    saved_at = {str(e.get("snapshot")): float(e["time"]) for e in events if e.get("kind") == "save"}
+    """The runs in ``events`` (any order), with ``progress`` by generation. Events without a
+    numeric time, an int generation and a str kind are ignored. O(events log events)."""
+    by_generation = _by_generation(events)
+    runs = [_run(gen, evs, progress.get(gen)) for gen, evs in sorted(by_generation.items())]
+    taken_over = {
+        _int(e.get("previous_generation"))
+        for evs in by_generation.values()
+        for e in evs
+        if e["kind"] == "takeover"
+    }
+    for previous, run in itertools.pairwise(runs):
+        if previous.end == "crash" and (
+            previous.ended > run.started or previous.generation in taken_over
+        ):
+            previous.end = "superseded"  # alive when the next job took over: not a crash
+    if runs and runs[-1].end == "crash":
+        runs[-1].end = "running"
+    saved_at = {
+        str(e.get("snapshot")): float(e["time"])
+        for evs in by_generation.values()
+        for e in evs
+        if e["kind"] == "save"
+    }
     for previous, run in itertools.pairwise(runs):
         _lost_work(previous, run, saved_at)
-    return _totals(runs, events)
+    return _totals(runs, [e for evs in by_generation.values() for e in evs])
 
 
 def _by_generation(events: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
     out: dict[int, list[Mapping[str, Any]]] = {}
     for event in events:
-        if isinstance(event.get("time"), int | float) and isinstance(event.get("kind"), str):
-            out.setdefault(int(event.get("generation", 0)), []).append(event)
+        when, generation = _float(event.get("time")), _int(event.get("generation", 0))
+        if when is not None and generation is not None and isinstance(event.get("kind"), str):
+            out.setdefault(generation, []).append(event)
     for evs in out.values():
         evs.sort(key=lambda e: float(e["time"]))
     return out
@@ -115,9 +147,11 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
     reached: list[tuple[int, float]] = []
     for event in evs:
         kind, when = event["kind"], float(event["time"])
-        if kind == "restore":
+        if kind == "start":
+            run.progress_seconds = _float(event.get("progress_seconds"))
+        elif kind == "restore":
             run.restored_step, run.restored_at = _int(event.get("step")), when
-            run.restored_snapshot, run.level = event.get("snapshot"), event.get("level")
+            run.restored_snapshot, run.level = _str(event.get("snapshot")), _str(event.get("level"))
             run.restore_seconds = _float(event.get("seconds"))
             run.since_start_seconds = _float(event.get("since_start"))
         elif kind == "first_step":
@@ -128,9 +162,11 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
                 run.save_pauses.append(float(event["pause"]))
         if _int(event.get("step")) is not None and kind in ("save", "restore", "preempt"):
             reached.append((int(event["step"]), when))
-    if progress and _int(progress.get("step")) is not None and _float(progress.get("time")):
-        reached.append((int(progress["step"]), float(progress["time"])))
-        run.ended = max(run.ended, float(progress["time"]))
+    last_step = _int(progress.get("step")) if progress else None
+    last_time = _float(progress.get("time")) if progress else None
+    if last_step is not None and last_time is not None:
+        reached.append((last_step, last_time))
+        run.ended = max(run.ended, last_time)
     if reached:
         run.step_reached, run.time_reached = max(reached)
     return run
@@ -140,6 +176,7 @@ def _lost_work(previous: Run, run: Run, saved_at: Mapping[str, float]) -> None:
     if run.restored_step is None or previous.step_reached is None:
         return
     run.lost_steps = max(0, previous.step_reached - run.restored_step)
+    run.lost_is_lower_bound = previous.end != "preempt" and previous.progress_seconds != 0
     saved = saved_at.get(str(run.restored_snapshot))
     if run.lost_steps == 0:
         run.lost_seconds = 0.0
@@ -155,10 +192,13 @@ def _totals(runs: list[Run], events: Sequence[Mapping[str, Any]]) -> History:
         down += max(0.0, back - previous.ended)
     restarts = [r for r in runs[1:] if r.lost_steps is not None]
     lost = sum(r.lost_seconds or 0.0 for r in restarts)
-    mtbf, crashes = observed_mtbf([dict(e) for e in events])
+    crashes = sum(1 for r in runs if r.end == "crash")  # the table's own count
+    uptime = sum(r.ended - r.started for r in runs)
+    mtbf = uptime / crashes if crashes else None
     pauses = [p for r in runs for p in r.save_pauses]
     cost = statistics.median(pauses) if pauses else None
     starts = [e for e in events if e.get("kind") == "start" and e.get("interval")]
+    starts.sort(key=lambda e: float(e["time"]))
     return History(
         runs=runs,
         wall_seconds=wall,
@@ -182,10 +222,33 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """``value`` if it is an int (not a bool) that fits 64 bits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63:
+        return value
+    return None
 
 
 def _float(value: Any) -> float | None:
+    """``value`` as a finite float, if it is a number."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            return None
+        return number if math.isfinite(number) else None
     return None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

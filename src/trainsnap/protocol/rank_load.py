@@ -161,6 +161,7 @@ def match(
             snapshot_id=manifest.snapshot_id,
             key=problems[0][0],
             problems=[f"{k!r}: {why}" for k, why in problems],
+            see_all="`trainsnap show ROOT ID` lists every saved key with its shape",
         )
     return pairs
 

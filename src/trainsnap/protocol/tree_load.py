@@ -300,6 +300,7 @@ def _raise_unfit(manifest: Manifest, planner: _Planner) -> None:
             snapshot_id=sid,
             key=planner.problems[0][0],
             problems=[f"{k!r}: {why}" for k, why in planner.problems],
+            see_all="`trainsnap show ROOT ID` lists every saved key with its shape",
         )
 
 

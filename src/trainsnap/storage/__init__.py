@@ -42,6 +42,12 @@ def register(scheme: str, factory: Factory) -> None:
 
 def _posix(url: str, options: dict[str, Any]) -> Storage:
     path = urlparse(url).path if url.startswith("file://") else url
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(
+            f"root {url} is a file, not a directory: a root is the directory that holds "
+            "snapshots/ and objects/; pass that directory, or a path where one may be created",
+            path=url,
+        )
     return PosixStorage(path, **options)
 
 

@@ -9,13 +9,16 @@ and stderr (progress, errors); ``show --json`` is for programs. Exit status: 0 w
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, ParamSpec, TypeVar
+from urllib.parse import urlparse
 
 import typer
 from rich.console import Console
@@ -30,35 +33,22 @@ from rich.progress import (
 from rich.text import Text
 
 from trainsnap._version import __version__
-from trainsnap.api.verification import Progress as ProgressCallback
-from trainsnap.api.verification import VerifyReport, verify_root
-from trainsnap.errors import IncompleteError, InvalidArgumentError, NotFoundError, TrainsnapError
-from trainsnap.format.manifest import check_snapshot_id
-from trainsnap.manager import collection, lease, restarts
-from trainsnap.manager.policies import daly_interval, parse_duration, young_interval
-from trainsnap.protocol import commit
-from trainsnap.protocol.commit import resolve
-from trainsnap.protocol.snapshot_info import SnapshotInfo
-from trainsnap.storage import Storage, open_storage
-from trainsnap.tools import render
-from trainsnap.tools.diff import (
-    ADDED,
-    CHANGED,
-    REMOVED,
-    RESHAPED,
-    RETYPED,
-    UNCHANGED,
-    diff_snapshots,
+from trainsnap.errors import (
+    IncompleteError,
+    InvalidArgumentError,
+    NotFoundError,
+    TrainsnapError,
+    listed,
 )
-from trainsnap.tools.diff import summary as diff_summary
-from trainsnap.tools.export import (
-    DEFAULT_MAX_SHARD_SIZE,
-    parse_dtype,
-    parse_size,
-    plan_export,
-    write_export,
-)
-from trainsnap.tools.import_dcp import import_dcp
+
+if TYPE_CHECKING:
+    from trainsnap.api.verification import Progress as ProgressCallback
+    from trainsnap.api.verification import VerifyReport
+    from trainsnap.storage import Storage
+
+# Each command imports what it uses when it runs: --help and --version load no more than the
+# command line itself, ls / show / interval / history no torch (only gc, export, import-dcp, diff
+# and demo move tensors or read write reports, and need it).
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -74,6 +64,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
+
+_ID_HELP = "A snapshot id, a step (55 or step-55), or 'latest'."
 
 RootArg = Annotated[
     str,
@@ -151,6 +143,8 @@ def _progress(total: int, what: str) -> Iterator[ProgressCallback]:
 def _bytes_to_verify(storage: Storage, ids: Sequence[str]) -> int:
     """What verification will read: each object once however many snapshots share it (a
     snapshot whose manifest cannot be opened reads nothing)."""
+    from trainsnap.protocol import commit
+
     sizes: dict[str, int] = {}
     for sid in ids:
         try:
@@ -163,6 +157,9 @@ def _bytes_to_verify(storage: Storage, ids: Sequence[str]) -> int:
 
 def _verify(storage: Storage, snapshot_id: str | None) -> tuple[VerifyReport, int]:
     """Verify one snapshot or all, with a progress bar; the report and the bytes read."""
+    from trainsnap.api.verification import verify_root
+    from trainsnap.protocol import commit
+
     if snapshot_id is None:
         ids = [c.snapshot_id for c in commit.list_committed(storage)]
     else:
@@ -176,7 +173,9 @@ def _verify(storage: Storage, snapshot_id: str | None) -> tuple[VerifyReport, in
 def _existing(storage: Storage, snapshot_id: str) -> str:
     """The id ``snapshot_id`` names, refusing a malformed or absent one up front: verifying
     nothing is a usage error, while a snapshot that exists but is damaged is a finding."""
-    sid = check_snapshot_id(resolve(storage, snapshot_id))
+    from trainsnap.protocol import commit
+
+    sid = _snapshot(storage, snapshot_id, committed_only=False)
     try:
         commit.committed_marker(storage, sid)
     except NotFoundError:
@@ -186,11 +185,133 @@ def _existing(storage: Storage, snapshot_id: str) -> str:
     return sid
 
 
+# -- roots and snapshot names ---------------------------------------------------------------------
+
+_ROOT_PARTS = ("snapshots", "objects", "lease", "events", "progress")
+"""Folders a root holds: a path named like one of them inside a root is not itself a root."""
+
+
+def _local_path(root: str) -> Path | None:
+    """The directory a local ROOT names; None for a URL of another store (s3://, memory://)."""
+    if root.startswith("file://"):
+        return Path(urlparse(root).path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", root):
+        return None
+    return Path(root)
+
+
+def _not_a_root(root: str, path: Path) -> str | None:
+    """Why the existing ``path`` cannot be a root (a file, a snapshot, a folder of a root)."""
+    if not path.is_dir():
+        kind = "a file" if path.is_file() else "not a directory"
+        return (
+            f"root {root} is {kind}: a root is the directory that holds snapshots/ and objects/ "
+            "(the ROOT a training job saved to)"
+        )
+    parent = path.absolute().parent
+    if parent.name == "snapshots" and any(
+        p.name == "COMMITTED" or p.name.startswith("manifest") for p in _first_entries(path)
+    ):
+        owner = parent.parent
+        return (
+            f"{root} is the snapshot directory of snapshot {path.name}, not a root; its root is "
+            f"{owner}: pass that, and {path.name} (or its step) as the snapshot where a command "
+            "takes one"
+        )
+    if path.name in _ROOT_PARTS and any((parent / p).is_dir() for p in ("snapshots", "objects")):
+        return f"{root} is the {path.name}/ folder of the root {parent}, not a root: pass {parent}"
+    return None
+
+
+def _first_entries(path: Path, limit: int = 64) -> list[Path]:
+    """At most ``limit`` entries of the directory ``path``: enough to recognise a snapshot's,
+    without listing a huge directory."""
+    out: list[Path] = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            out.append(Path(entry.path))
+            if len(out) >= limit:
+                break
+    return out
+
+
+def _open_root(root: str, *, create: bool = False) -> Storage:
+    """The storage of ROOT, refusing up front a local path that is not a root: one that does
+    not exist (unless ``create``: a command that writes a new root), a file, a snapshot's
+    directory or a folder inside a root. Answering "no snapshots" there would hide the typo."""
+    from trainsnap.storage import open_storage
+
+    path = _local_path(root)
+    if path is not None:
+        if path.exists() or path.is_symlink():
+            why = _not_a_root(root, path)
+            if why:
+                raise InvalidArgumentError(why, path=root)
+        elif not create:
+            raise NotFoundError(
+                f"root {root} does not exist; check the path (a root is the directory a training "
+                "job saved its snapshots to)",
+                path=root,
+            )
+    return open_storage(root)
+
+
+_STEP_RE = re.compile(r"(?:step-?)?(\d{1,18})")
+
+
+def _snapshot(storage: Storage, name: str, *, committed_only: bool = True) -> str:
+    """The snapshot id ``name`` stands for: ``latest``, a full id, or a step (``55`` or
+    ``step-55``). A stored id is returned as is (opening it says what is wrong with it, if
+    anything; ``committed_only`` asks for a committed one); a name that matches nothing is
+    refused with the closest ids or steps."""
+    from trainsnap.protocol import commit
+
+    if name == "latest":
+        return commit.resolve(storage, name)
+    stored = commit.snapshot_ids(storage)
+    if name in stored:
+        if committed_only:
+            commit.committed_marker(storage, name)  # uncommitted or damaged: its own error
+        return name
+    damaged: list[TrainsnapError] = []  # their ids are not candidates; verify reports them
+    found = commit.list_committed(storage, damaged)
+    step = _STEP_RE.fullmatch(name.strip().lower())
+    if step:
+        wanted = int(step.group(1))
+        ids = [c.snapshot_id for c in found if c.step == wanted]
+        if len(ids) == 1:
+            return ids[0]
+        if ids:
+            raise InvalidArgumentError(
+                f"step {wanted} has {len(ids)} committed snapshots in {storage.url} "
+                f"({listed(ids)}): name one by its id",
+                path=storage.url,
+            )
+        steps = sorted({c.step for c in found}, key=lambda s: (abs(s - wanted), s))[:3]
+        near = f"; nearest saved step(s): {', '.join(map(str, sorted(steps)))}" if steps else ""
+        raise NotFoundError(
+            f"no committed snapshot of step {wanted} in {storage.url}{near}. "
+            f"`trainsnap ls {storage.url}` lists them",
+            path=storage.url,
+        )
+    close = difflib.get_close_matches(name, [c.snapshot_id for c in found], n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise NotFoundError(
+        f"snapshot {name} does not exist in {storage.url}; {hint}"
+        f"`trainsnap ls {storage.url}` lists the snapshots (ID may be an id, a step such as 55 "
+        "or step-55, or 'latest')",
+        path=storage.url,
+        snapshot_id=name,
+    )
+
+
 # -- ls -------------------------------------------------------------------------------------------
 
 
 def _uncommitted(storage: Storage, known: set[str]) -> list[str]:
     """Snapshots with something stored but no commit marker: interrupted saves."""
+    from trainsnap.protocol import commit
+
     out = []
     for sid in sorted(commit.snapshot_ids(storage) - known):
         try:
@@ -214,15 +335,21 @@ def ls_command(
         typer.Option(help="A local tier in front of ROOT: list both and say which holds what."),
     ] = None,
 ) -> None:
-    """List the committed snapshots of ROOT (and of a local tier), oldest step first."""
-    storage = open_storage(root)
+    """List the committed snapshots of ROOT (and of a local tier), oldest step first. With
+    --verify, exit 1 if any is damaged (as `verify` does)."""
+    from trainsnap.protocol import commit
+    from trainsnap.protocol.snapshot_info import SnapshotInfo
+    from trainsnap.tools import render
+
+    storage = _open_root(root)
+    bad: list[str] = []
     damaged: list[TrainsnapError] = []
     found = commit.list_committed(storage, damaged)
     infos = [SnapshotInfo.from_marker(c.marker, storage.url) for c in found]
     tiers: dict[str, list[str]] | None = None
     if local is not None:
         tiers = {c.snapshot_id: ["durable"] for c in found}
-        for c in commit.list_committed(open_storage(local)):
+        for c in commit.list_committed(_open_root(local)):
             if c.snapshot_id not in tiers:
                 infos.append(SnapshotInfo.from_marker(c.marker, local))
             tiers.setdefault(c.snapshot_id, []).insert(0, "local")
@@ -237,6 +364,7 @@ def ls_command(
         if verify:
             report, _ = _verify(storage, None)
             verdicts = {s.id: "ok" if s.ok else "CORRUPT" for s in report.snapshots}
+            bad = [s.id for s in report.snapshots if not s.ok]
         out.print(render.snapshot_table(infos, verdicts, tiers))
         total = sum(i.nbytes for i in infos)
         _say(f"{len(infos)} committed snapshot(s), sizes summing to {render.human_size(total)}")
@@ -250,6 +378,13 @@ def ls_command(
             f"{len(leftovers)} uncommitted snapshot(s) not listed (interrupted saves, never "
             "readable)"
         )
+    if verify and (bad or damaged):
+        _say(
+            f"verification found damage in {len(bad) + len(damaged)} snapshot(s); "
+            f"`trainsnap verify {root}` says what is wrong",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 # -- show -----------------------------------------------------------------------------------------
@@ -259,16 +394,17 @@ def ls_command(
 @_reports_errors
 def show_command(
     root: RootArg,
-    snapshot_id: Annotated[
-        str, typer.Argument(metavar="ID", help="A snapshot id, or 'latest'.")
-    ] = "latest",
+    snapshot_id: Annotated[str, typer.Argument(metavar="ID", help=_ID_HELP)] = "latest",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print a JSON summary for programs instead.")
     ] = False,
 ) -> None:
     """Describe one snapshot: its header, tensors, values and objects."""
-    storage = open_storage(root)
-    m = commit.open_snapshot(storage, resolve(storage, snapshot_id))
+    from trainsnap.protocol import commit
+    from trainsnap.tools import render
+
+    storage = _open_root(root)
+    m = commit.open_snapshot(storage, _snapshot(storage, snapshot_id))
     if as_json:
         typer.echo(json.dumps(render.manifest_json(m), indent=2))
         return
@@ -291,11 +427,13 @@ def verify_command(
     root: RootArg,
     snapshot_id: Annotated[
         str | None,
-        typer.Argument(metavar="[ID]", help="A snapshot id or 'latest'; all when omitted."),
+        typer.Argument(metavar="[ID]", help=_ID_HELP + " All when omitted."),
     ] = None,
 ) -> None:
     """Re-read every byte the snapshots reference and check it. Exit 1 if anything is wrong."""
-    storage = open_storage(root)
+    from trainsnap.tools import render
+
+    storage = _open_root(root)
     sid = None if snapshot_id is None else _existing(storage, snapshot_id)
     report, nbytes = _verify(storage, sid)
     out = _out()
@@ -326,6 +464,21 @@ def verify_command(
 # -- gc and interval ------------------------------------------------------------------------------
 
 
+def _duration(option: str, text: str, *, positive: bool = False) -> float:
+    """Seconds in the value ``text`` of ``option``, errors naming the option as typed."""
+    from trainsnap.manager.policies import parse_duration
+
+    try:
+        seconds = parse_duration(text)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{option}: {e}") from None
+    if positive and not seconds > 0:
+        raise InvalidArgumentError(
+            f"{option} {text!r} is not a positive duration; give one such as 30s, 5m, 4h or 2d"
+        )
+    return seconds
+
+
 @app.command("gc")
 @_reports_errors
 def gc_command(
@@ -345,9 +498,13 @@ def gc_command(
     When no writer holds the root (its last job closed), everything unreferenced goes at once;
     otherwise only what is older than the grace period (a save in flight may still need it).
     """
-    storage = open_storage(root)
+    from trainsnap.manager import collection, lease
+    from trainsnap.tools import render
+
+    seconds = _duration("--grace", grace)
+    storage = _open_root(root)
     writer = lease.active_writer(storage)
-    report = collection.collect_root(storage, grace=parse_duration(grace), dry_run=dry_run)
+    report = collection.collect_root(storage, grace=seconds, dry_run=dry_run)
     verb = "would free" if dry_run else "freed"
     holder = f"writer generation {writer} holds the root" if writer else "no active writer"
     _say(
@@ -367,7 +524,9 @@ def interval_command(
     mtbf: Annotated[str, typer.Option(help="Mean time between failures, e.g. 4h, 2d.")],
 ) -> None:
     """Young's and Daly's optimal checkpoint intervals."""
-    c, m = parse_duration(cost), parse_duration(mtbf)
+    from trainsnap.manager.policies import daly_interval, young_interval
+
+    c, m = _duration("--cost", cost, positive=True), _duration("--mtbf", mtbf, positive=True)
     _say(f"cost {c:g} s, MTBF {m:g} s")
     _say(f"Young: {young_interval(c, m):.1f} s ({young_interval(c, m) / 60:.2f} min)")
     _say(f"Daly:  {daly_interval(c, m):.1f} s ({daly_interval(c, m) / 60:.2f} min)")
@@ -387,10 +546,14 @@ def history_command(
 ) -> None:
     """Every run and restart of the job on ROOT: how far each run got, what each restart lost
     (steps and seconds), how long restores took, and the job's goodput and MTBF."""
-    storage = open_storage(root)
+    from trainsnap.manager import lease, restarts
+    from trainsnap.protocol import commit
+    from trainsnap.tools import render
+
+    storage = _open_root(root)
     job = restarts.history(lease.events(storage), lease.progress(storage))
-    if as_json:
-        _out().print_json(json.dumps(job.as_dict()))
+    if as_json:  # strict JSON: no NaN or infinity, whatever the log held
+        typer.echo(json.dumps(job.as_dict(), indent=2, allow_nan=False))
     elif not job.runs:
         found = commit.list_committed(storage)
         _say(
@@ -400,7 +563,7 @@ def history_command(
         )
     else:
         _out().print(render.history_table(job.runs))
-        for line in render.history_totals(job):
+        for line in (*render.HISTORY_NOTES, *render.history_totals(job)):
             _say(line)
     if plot is not None and job.runs:
         _say(f"plot: {render.history_chart(job, plot)}")
@@ -418,7 +581,7 @@ def _bar(what: str) -> Iterator[Callable[[int, int], None]]:
         yield lambda n, total: bar.update(task, total=total, advance=n)
 
 
-IdArg = Annotated[str, typer.Argument(metavar="ID", help="A snapshot id, or 'latest'.")]
+IdArg = Annotated[str, typer.Argument(metavar="ID", help=_ID_HELP)]
 
 
 @app.command("export")
@@ -435,17 +598,22 @@ def export_command(
     ] = None,
     max_shard_size: Annotated[
         str, typer.Option(help="Largest file, e.g. 2GB, 500MB (powers of ten) or 1GiB.")
-    ] = DEFAULT_MAX_SHARD_SIZE,
+    ] = "5GB",
     prefix: Annotated[
         str,
         typer.Option(help="Export the tensors whose keys start with this, without it ('' = all)."),
     ] = "model.",
 ) -> None:
     """Export a snapshot's model weights as Hugging Face safetensors, streamed (bounded memory)."""
+    from trainsnap.protocol import commit
+    from trainsnap.tools import render
+
     if fmt.lower() != "safetensors":
         raise InvalidArgumentError(f"--format {fmt!r} is not supported; use --format safetensors")
-    storage = open_storage(root)
-    m = commit.open_snapshot(storage, resolve(storage, snapshot_id))
+    from trainsnap.tools.export import parse_dtype, parse_size, plan_export, write_export
+
+    storage = _open_root(root)
+    m = commit.open_snapshot(storage, _snapshot(storage, snapshot_id))
     plan = plan_export(
         m, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size), prefix=prefix
     )
@@ -486,6 +654,12 @@ def import_dcp_command(
     """Import a torch.distributed.checkpoint directory as a committed snapshot of ROOT.
 
     The DCP metadata is a pickle: it is read with an allow-list (see --trust-pickle)."""
+    from trainsnap.protocol import commit
+    from trainsnap.storage import open_storage
+    from trainsnap.tools import render
+    from trainsnap.tools.import_dcp import import_dcp
+
+    _open_root(root, create=True)
     with _bar("importing") as progress:
         info = import_dcp(dcp_dir, root, step=step, progress=progress, trust_pickle=trust_pickle)
     m = commit.open_snapshot(open_storage(root), info.id)
@@ -500,13 +674,25 @@ def import_dcp_command(
 @_reports_errors
 def diff_command(
     root: RootArg,
-    first: Annotated[str, typer.Argument(metavar="A", help="The older snapshot id, or 'latest'.")],
-    second: Annotated[str, typer.Argument(metavar="B", help="The newer snapshot id, or 'latest'.")],
+    first: Annotated[str, typer.Argument(metavar="A", help="The older snapshot: " + _ID_HELP)],
+    second: Annotated[str, typer.Argument(metavar="B", help="The newer snapshot: " + _ID_HELP)],
     show_all: Annotated[bool, typer.Option("--all", help="List unchanged tensors too.")] = False,
 ) -> None:
     """Which tensors changed from snapshot A to B, and by how much (streamed, in float64)."""
-    storage = open_storage(root)
-    ida, idb = resolve(storage, first), resolve(storage, second)
+    from trainsnap.tools import render
+    from trainsnap.tools.diff import (
+        ADDED,
+        CHANGED,
+        REMOVED,
+        RESHAPED,
+        RETYPED,
+        UNCHANGED,
+        diff_snapshots,
+    )
+    from trainsnap.tools.diff import summary as diff_summary
+
+    storage = _open_root(root)
+    ida, idb = _snapshot(storage, first), _snapshot(storage, second)
     with _bar("comparing") as progress:
         diffs = diff_snapshots(storage, ida, idb, progress=progress)
     shown = sorted((d for d in diffs if show_all or d.status != UNCHANGED), key=render.diff_order)

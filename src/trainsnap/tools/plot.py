@@ -234,12 +234,18 @@ def _legend_rows(series: Sequence[Series], left: int, right: int) -> list[list[t
     return rows
 
 
+MAX_LABEL_ROWS = 3
+"""Rows of mark labels above a chart; a label that fits in none is left out (its line stays)."""
+
+
 def _place_labels(
     xs: Sequence[int], widths: Sequence[int], left: int, right: int
-) -> list[tuple[int, int]]:
-    """(row, start) of each mark's label: the lowest row number (0 = top) where it fits right
-    of its line, or else left of it. A label may not overlap another, be crossed by the line of
-    a mark labelled higher up, or sit over its own line's way down past a lower label."""
+) -> list[tuple[int, int] | None]:
+    """(row, start) of each mark's label, or None where it is left out: the lowest row number
+    (0 = top, fewer than :data:`MAX_LABEL_ROWS`) where it fits right of its line, or else left
+    of it. A label may not overlap another, be crossed by the line of a mark labelled higher
+    up, or sit over its own line's way down past a lower label. Labels placed are bounded by
+    the rows' width, so the cost is O(marks) times that bound, whatever the number of marks."""
     placed: list[tuple[int, int, int, int]] = []  # (row, start, end, line x)
 
     def free(row: int, start: int, end: int, x: int) -> bool:
@@ -250,18 +256,24 @@ def _place_labels(
             for r, s, e, mx in placed
         )
 
+    out: list[tuple[int, int] | None] = []
     for x, width in zip(xs, widths, strict=True):
         spot = next(
             (
                 (row, start)
-                for row in range(len(xs))
+                for row in range(MAX_LABEL_ROWS)
                 for start in (x + 8, x - 8 - width)
-                if left <= start and start + width <= right and free(row, start, start + width, x)
+                if width > 0
+                and left <= start
+                and start + width <= right
+                and free(row, start, start + width, x)
             ),
-            (len(placed), max(left, min(x + 8, right - width))),
+            None,
         )
-        placed.append((spot[0], spot[1], spot[1] + width, x))
-    return [(row, start) for row, start, _end, _x in placed]
+        if spot is not None:
+            placed.append((spot[0], spot[1], spot[1] + width, x))
+        out.append(spot)
+    return out
 
 
 def png_chart(
@@ -296,12 +308,15 @@ def png_chart(
         left,
         width - _MARGIN,
     )
-    frame.top = top + (max((row for row, _ in labels), default=-1) + 1) * _LINE + 8
+    rows = max((spot[0] for spot in labels if spot is not None), default=-1) + 1
+    frame.top = top + rows * _LINE + 8
     _axes(canvas, frame, x_ticks, y_ticks)
-    for mark, (row, start) in zip(marks, labels, strict=True):
-        ink, x, y = rgb(mark.colour), frame.px(mark.x), top + row * _LINE
+    for mark, spot in zip(marks, labels, strict=True):
+        ink, x = rgb(mark.colour), frame.px(mark.x)
+        y = frame.top - 8 if spot is None else top + spot[0] * _LINE
         canvas.line((x, y), (x, frame.bottom), ink, thickness=2, dash=6)
-        canvas.text(start, y + 2, mark.label, ink)
+        if spot is not None:
+            canvas.text(spot[1], y + 2, mark.label, ink)
     for i, (_name, pts, colour) in enumerate(series):
         for a, b in itertools.pairwise(sorted(pts)):
             a_px, b_px = (frame.px(a[0]), frame.py(a[1])), (frame.px(b[0]), frame.py(b[1]))

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich import box
@@ -25,7 +25,9 @@ from trainsnap.format.regions import Flat, Region
 from trainsnap.manager.restarts import History, Run
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.tools import plot as plot_module
-from trainsnap.tools.diff import ADDED, CHANGED, REMOVED, RESHAPED, RETYPED, UNCHANGED, TensorDiff
+
+if TYPE_CHECKING:  # diff needs torch; the commands that only list or show start without it
+    from trainsnap.tools.diff import TensorDiff
 
 MAX_SHARDS_SHOWN = 3
 """Shards whose geometry ``show`` spells out per tensor; the rest are counted."""
@@ -270,7 +272,9 @@ def number_text(number: float | None) -> str:
     return "-" if number is None else f"{number:.3g}"
 
 
-_DIFF_GROUP = {CHANGED: 0, RETYPED: 0, RESHAPED: 1, ADDED: 2, REMOVED: 3, UNCHANGED: 4}
+_DIFF_GROUP = {"changed": 0, "retyped": 0, "reshaped": 1, "added": 2, "removed": 3, "unchanged": 4}
+"""Order of :mod:`trainsnap.tools.diff`'s statuses in a table (its names, spelled here so that
+this module does not import torch)."""
 
 
 def diff_order(diff: TensorDiff) -> tuple[int, float, str, int]:
@@ -303,53 +307,85 @@ def diff_table(title: str, diffs: Sequence[TensorDiff]) -> Table:
 # -- the restart history ---------------------------------------------------------------------------
 
 
-def _seconds_text(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}"
+def seconds_text(seconds: float | None) -> str:
+    """Seconds with the precision that matters at their size: 3 significant digits below 100
+    (0.0123, 4.56, 45.6), whole seconds above; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    if abs(seconds) >= 100:
+        return f"{seconds:.0f}"
+    if seconds == 0:
+        return "0"
+    return f"{seconds:.3g}"
+
+
+def _lost_steps_text(run: Run) -> str:
+    if run.lost_steps is None:
+        return "-"
+    return f">={run.lost_steps}" if run.lost_is_lower_bound else str(run.lost_steps)
+
+
+def _start_text(started: float) -> str:
+    """Month, day and time in UTC: a job's runs rarely span years, and the full date with its
+    zone would take a quarter of a 100-column line."""
+    return datetime.fromtimestamp(started, timezone.utc).strftime("%m-%d %H:%M:%S")
+
+
+HISTORY_NOTES = (
+    "times in seconds, starts in UTC; >=N: at least N steps lost (the previous run may have",
+    "  gone on past its last progress record); running: no close() yet (still running, or it",
+    "  exited without close()); superseded: a newer job took the root over while it still ran",
+)
+"""The legend under ``history``'s table, each line under 100 columns."""
 
 
 def history_table(runs: Sequence[Run]) -> Table:
-    """One row per run: how it ended, how far it got, and what its restart cost."""
+    """One row per run: how it ended, how far it got, and what its restart cost. Fits 100
+    columns: the restored snapshot is named by its step (``trainsnap show ROOT STEP``), its id
+    is in ``history --json``."""
     table = new_table("runs (one per writer generation)")
-    columns = ("gen", "started (UTC)", "ended", "reached", "restored", "lost steps", "lost s")
-    for name in (*columns, "restore s", "to 1st step s", "snapshot", "level"):
-        table.add_column(name, justify="left" if name in ("snapshot", "level") else "right")
+    columns = ("gen", "started", "end", "reached", "restored", "level", "lost steps", "lost s")
+    for name in (*columns, "restore s", "to step s"):
+        table.add_column(name, justify="left" if name in ("started", "end", "level") else "right")
     for run in runs:
         table.add_row(
             str(run.generation),
-            utc_text(datetime.fromtimestamp(run.started, timezone.utc)),
-            run.end,
+            _start_text(run.started),
+            Text(run.end),
             "-" if run.step_reached is None else str(run.step_reached),
             "-" if run.restored_step is None else str(run.restored_step),
-            "-" if run.lost_steps is None else str(run.lost_steps),
-            _seconds_text(run.lost_seconds),
-            "-" if run.restore_seconds is None else f"{run.restore_seconds:.3f}",
-            _seconds_text(run.to_first_step_seconds),
-            run.restored_snapshot or "-",
-            run.level or "-",
+            Text(run.level or "-"),
+            _lost_steps_text(run),
+            seconds_text(run.lost_seconds),
+            seconds_text(run.restore_seconds),
+            seconds_text(run.to_first_step_seconds),
         )
     return table
 
 
 def history_totals(job: History) -> list[str]:
-    """The totals under the table, one line each."""
+    """The totals under the table, one line each; crashes are the runs the table shows as
+    ``crash`` (a ``running`` newest run is not one)."""
+    bound = any(r.lost_is_lower_bound for r in job.runs)
     lines = [
-        f"wall time {job.wall_seconds:.1f} s; down {job.down_seconds:.1f} s; "
-        f"lost work {job.lost_seconds:.1f} s; goodput "
+        f"wall time {seconds_text(job.wall_seconds)} s; down {seconds_text(job.down_seconds)} s; "
+        f"lost work {'at least ' if bound else ''}{seconds_text(job.lost_seconds)} s; goodput "
         + ("-" if job.goodput is None else f"{job.goodput:.1%}"),
         "mean lost work per restart: "
         + (
             "- (no restart)"
             if job.mean_lost_steps is None
-            else f"{job.mean_lost_steps:.1f} steps, {job.mean_lost_seconds or 0.0:.1f} s"
+            else f"{'at least ' if bound else ''}{job.mean_lost_steps:.3g} steps, "
+            f"{seconds_text(job.mean_lost_seconds or 0.0)} s"
         ),
         f"crashes {job.crashes}; observed MTBF "
-        + ("- (fewer than one crash)" if job.mtbf_seconds is None else f"{job.mtbf_seconds:.0f} s"),
+        + ("- (no crash)" if job.mtbf_seconds is None else f"{seconds_text(job.mtbf_seconds)} s"),
     ]
     if job.young_seconds is not None and job.daly_seconds is not None:
         lines.append(
-            f"implied interval (save cost {job.save_cost_seconds:.3f} s): Young "
-            f"{job.young_seconds:.0f} s, Daly {job.daly_seconds:.0f} s; in use: "
-            f"{job.interval_in_use or '-'}"
+            f"implied interval (save cost {seconds_text(job.save_cost_seconds)} s): Young "
+            f"{seconds_text(job.young_seconds)} s, Daly {seconds_text(job.daly_seconds)} s; "
+            f"in use: {job.interval_in_use or '-'}"
         )
     else:
         lines.append(f"interval in use: {job.interval_in_use or '-'}")
