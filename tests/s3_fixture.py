@@ -1,4 +1,5 @@
-"""S3 servers on loopback for tests that exercise the ``s3://`` backend: moto and SeaweedFS.
+"""Object stores on loopback for tests of the ``s3://`` and ``az://`` backends: moto, SeaweedFS
+and Azurite.
 
 moto (:class:`trainsnap.testing.s3.LoopbackS3`) runs in a thread of the test process for the
 whole session, so that S3 tests talk HTTP to an actual endpoint (signing, ranged GETs, listings)
@@ -6,7 +7,8 @@ without any network access or real credentials; it counts what it serves. Seawee
 (:class:`trainsnap.testing.seaweedfs.SeaweedS3`) is a real S3 server, started as a process for
 the session when the first test asks for it (skipped, with the reason, where its binary does not
 run). Tests ask for :func:`s3_root` or :func:`seaweed_root` to get a fresh prefix each, and open
-it with :func:`open_s3`.
+it with :func:`open_s3`. Azurite (:class:`trainsnap.testing.azurite.AzuriteBlob`, Microsoft's
+Azure Blob emulator) is started the same way; :func:`az_root` gives a fresh ``az://`` prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from trainsnap.storage import Storage, open_storage
+from trainsnap.testing.azurite import CONTAINER, AzuriteBlob, azurite_binary, connection_string
 from trainsnap.testing.s3 import BUCKET, LoopbackS3
 from trainsnap.testing.seaweedfs import SeaweedS3, ServerUnavailable, weed_binary
 
@@ -79,3 +82,46 @@ def seaweed_endpoint() -> Iterator[str]:
 def seaweed_root(seaweed_endpoint: str) -> S3Root:
     """A unique ``s3://bucket/<prefix>`` on SeaweedFS per test."""
     return S3Root(f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}", seaweed_endpoint)
+
+
+@dataclass(frozen=True)
+class AzRoot:
+    """A fresh prefix of the test container on Azurite, and how to reach it."""
+
+    url: str
+    endpoint: str
+
+    @property
+    def options(self) -> dict[str, str]:
+        """``storage_options`` for this root."""
+        return {"connection_string": connection_string(self.endpoint)}
+
+    def open(self) -> Storage:
+        return open_storage(self.url, **self.options)
+
+
+def container_blobs(endpoint: str) -> set[str]:
+    """Every blob in the test container, read with the Azure SDK rather than the backend."""
+    from azure.storage.blob import BlobServiceClient
+
+    client = BlobServiceClient.from_connection_string(connection_string(endpoint))
+    return {blob.name for blob in client.get_container_client(CONTAINER).list_blobs()}
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint() -> Iterator[str]:
+    """Start Azurite's blob service with one container; yield its URL."""
+    for module in ("adlfs", "azure.storage.blob"):
+        pytest.importorskip(module)
+    try:
+        azurite_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"Azurite (Azure Blob emulator) unavailable: {e}")
+    with AzuriteBlob() as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def az_root(azurite_endpoint: str) -> AzRoot:
+    """A unique ``az://container/<prefix>`` on Azurite per test."""
+    return AzRoot(f"az://{CONTAINER}/t-{uuid.uuid4().hex[:12]}", azurite_endpoint)

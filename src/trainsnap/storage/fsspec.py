@@ -30,7 +30,8 @@ class FsspecStorage:
         self.url = url
         self.part_size: int | None = None
         """Bytes per part of a multipart upload (s3fs: an object of two parts or more is
-        uploaded in parts); None leaves the file system's default (50 MiB on s3fs)."""
+        uploaded in parts; adlfs: in staged blocks); None leaves the file system's default
+        (50 MiB parts on s3fs; on adlfs one Put Blob up to 64 MiB, 4 MiB blocks above)."""
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -42,13 +43,26 @@ class FsspecStorage:
         bufs = as_buffers(data)
         payload = bytes(bufs[0]) if len(bufs) == 1 else b"".join(bufs)
         path = self._path(key)  # outside the try: a bad key stays InvalidArgumentError
-        sizing = {} if self.part_size is None else {"chunksize": self.part_size}
         try:
-            self.fs.pipe_file(path, payload, **sizing)
+            self.fs.pipe_file(path, payload, **self._part_options())
         except OSError:
             raise
         except Exception as e:  # botocore and friends: keep the cause, give callers an OSError
             raise OSError(f"put {self.url}/{key} failed: {type(e).__name__}: {e}") from e
+
+    def _part_options(self) -> dict[str, int]:
+        """The keyword arguments of ``pipe_file`` that apply :attr:`part_size`."""
+        if self.part_size is None:
+            return {}
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if "s3" in protocols:
+            return {"chunksize": self.part_size}
+        # adlfs: the Azure SDK takes block sizes from its client's configuration, not per call
+        # (an unknown keyword would reach the HTTP session and fail the put).
+        config = getattr(getattr(self.fs, "service_client", None), "_config", None)
+        if config is not None:
+            config.max_single_put_size = config.max_block_size = self.part_size
+        return {}
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -61,16 +75,24 @@ class FsspecStorage:
             data: bytes = self.fs.cat_file(path, start=start or None, end=end)
         except FileNotFoundError:
             raise
-        except OSError as e:
-            # S3 also answers 416 to a range that starts at or past the end of the object.
-            if end is not None and self.stat(key) < end:
-                raise self._short(key, start, end, 0) from e
-            raise
         except Exception as e:
+            # S3 and Azure answer 416 to a range that starts at or past the end of the object
+            # (s3fs makes an OSError of it, adlfs leaves the SDK's HttpResponseError).
+            if end is not None and self._size_below(key, end):
+                raise self._short(key, start, end, 0) from e
+            if isinstance(e, OSError):
+                raise
             raise OSError(f"get {self.url}/{key} failed: {type(e).__name__}: {e}") from e
         if end is not None and len(data) != end - start:
             raise self._short(key, start, end, len(data))
         return data
+
+    def _size_below(self, key: str, end: int) -> bool:
+        """Whether ``key`` is shorter than ``end`` bytes (False when that cannot be told)."""
+        try:
+            return self.stat(key) < end
+        except OSError:
+            return False
 
     def _short(self, key: str, start: int, end: int, got: int) -> ShortReadError:
         return ShortReadError(
@@ -156,15 +178,19 @@ class FsspecStorage:
         return False
 
     def mtime(self, key: str) -> float:
+        """When ``key`` was last written. A file system that reports no time known here counts
+        the object as written now: the collector then keeps it (a leak) rather than taking an
+        object a save in flight may be reusing for an old one. One HEAD."""
         info = self.fs.info(self._path(key))
-        for field in ("LastModified", "mtime", "created"):
+        # s3fs: LastModified; adlfs: last_modified; gcsfs: mtime; memory: created.
+        for field in ("LastModified", "last_modified", "mtime", "created"):
             value = info.get(field)
             if value is None:
                 continue
             if hasattr(value, "timestamp"):
                 return float(value.timestamp())
             return float(value)
-        return 0.0
+        return time.time()
 
     def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         """Object stores cannot touch an object: write it again (same name, same bytes), unless
