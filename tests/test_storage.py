@@ -3,9 +3,9 @@
 The snapshot engine relies only on the protocol in ``trainsnap.storage.base``; these tests pin
 that protocol down (exact bytes, exact errors, exact listings, conditional creates) on a POSIX
 directory, an fsspec ``memory://`` root, S3 served by a loopback moto server, S3 served by a
-real S3 server (SeaweedFS) and Azure Blob served by Azurite (Microsoft's emulator), so that a
-backend which drifts from the others fails here rather than as a corrupt or unreadable
-snapshot, or an unfenced writer, later.
+real S3 server (SeaweedFS), Azure Blob served by Azurite (Microsoft's emulator) and Google Cloud
+Storage served by fake-gcs-server, so that a backend which drifts from the others fails here
+rather than as a corrupt or unreadable snapshot, or an unfenced writer, later.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 import trainsnap as ts
-from s3_fixture import AzRoot, S3Root, bucket_keys, container_blobs
+from s3_fixture import AzRoot, GcsRoot, S3Root, bucket_keys, container_blobs, gcs_objects, gcs_put
 from trainsnap import faults
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.storage import PosixStorage, Storage, open_storage
@@ -105,6 +106,17 @@ def _az_backend(root: AzRoot) -> Backend:
     return Backend("az", root.open(), lambda: container_blobs(root.endpoint), make_folder)
 
 
+def _gcs_backend(root: GcsRoot) -> Backend:
+    from trainsnap.testing.gcs import BUCKET
+
+    def make_folder(prefix: str) -> None:
+        # The zero-byte ``prefix/`` object the console's "create folder" leaves.
+        top = root.url.removeprefix(f"gs://{BUCKET}/")
+        gcs_put(root.endpoint, f"{top}/{prefix.rstrip('/')}/", b"")
+
+    return Backend("gcs", root.open(), lambda: gcs_objects(root.endpoint), make_folder)
+
+
 S3_BACKENDS = {"s3": "s3_root", "seaweedfs": "seaweed_root"}
 """S3 backends and the fixture giving each a fresh root: moto, and a real S3 server."""
 
@@ -115,6 +127,7 @@ S3_BACKENDS = {"s3": "s3_root", "seaweedfs": "seaweed_root"}
         "memory",
         *(pytest.param(name, marks=pytest.mark.s3) for name in S3_BACKENDS),
         pytest.param("az", marks=pytest.mark.az),
+        pytest.param("gcs", marks=pytest.mark.gcs),
     ]
 )
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
@@ -125,6 +138,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         yield from _memory_backend()
     elif request.param == "az":
         yield _az_backend(request.getfixturevalue("az_root"))
+    elif request.param == "gcs":
+        yield _gcs_backend(request.getfixturevalue("gcs_root"))
     else:
         root = request.getfixturevalue(S3_BACKENDS[request.param])
         yield _s3_backend(request.param, root)
@@ -208,7 +223,7 @@ def _fsspec_of(storage: Storage) -> FsspecStorage | None:
 
 def test_large_object(backend: Backend) -> None:
     """Big enough to go up in parts (multipart upload on S3, parts of 5 MiB, S3's least;
-    staged blocks on Azure)."""
+    staged blocks on Azure; a resumable upload in chunks on GCS)."""
     storage = backend.storage
     fsspec_backend = _fsspec_of(storage)
     if fsspec_backend is not None:
@@ -505,6 +520,17 @@ def test_backend_errors_are_builtins(backend: Backend, tmp_path: Path) -> None:
         # No retries (the SDK's own back off for a minute): the first error is the one.
         az.fs.service_client = BlobServiceClient.from_connection_string(unreachable, retry_total=0)
         broken = az
+    elif backend.name == "gcs":
+        from trainsnap.testing.gcs import options
+        from trainsnap.testing.harness import free_port
+
+        gs = _fsspec_of(
+            open_storage("gs://bucket/run", **options(f"http://127.0.0.1:{free_port()}"))
+        )
+        assert gs is not None
+        # gcsfs retries a refused connection 6 times over 30 s; one try gives the same error.
+        gs.fs._request = types.MethodType(type(gs.fs)._request.__wrapped__, gs.fs)
+        broken = gs
     else:  # nothing listens there: the client library fails to connect, in its own way
         from trainsnap.testing.harness import free_port
 

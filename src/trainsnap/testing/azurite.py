@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from trainsnap.testing.harness import free_port
-from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail, stop
+from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail
 
 AZURITE_VERSION = "3.35.0"
 """The npm package's version: the newest whose engines accept Node.js 20 (3.36 asks for 21,
@@ -42,6 +42,10 @@ CONTAINER = "trainsnap-test"
 
 READY_TIMEOUT = 60.0
 """Seconds to wait for the blob service to answer (it usually does within a second or two)."""
+
+STOP_TIMEOUT = 1.0
+"""Seconds between SIGTERM and SIGKILL on exit. Azurite stops at once when idle, but waits for
+clients' open keep-alive connections to close; its data is in memory and thrown away anyway."""
 
 
 def azurite_binary() -> str:
@@ -135,8 +139,13 @@ class AzuriteBlob:
 
     def __exit__(self, *exc: object) -> None:
         process, self._process = self._process, None
-        if process is not None:
-            stop(process)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
