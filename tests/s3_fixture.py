@@ -1,4 +1,5 @@
-"""S3 servers on loopback for tests that exercise the ``s3://`` backend: moto and SeaweedFS.
+"""Object stores on loopback for tests of the ``s3://``, ``az://`` and ``gs://`` backends: moto,
+SeaweedFS, Azurite and fake-gcs-server.
 
 moto (:class:`trainsnap.testing.s3.LoopbackS3`) runs in a thread of the test process for the
 whole session, so that S3 tests talk HTTP to an actual endpoint (signing, ranged GETs, listings)
@@ -6,11 +7,16 @@ without any network access or real credentials; it counts what it serves. Seawee
 (:class:`trainsnap.testing.seaweedfs.SeaweedS3`) is a real S3 server, started as a process for
 the session when the first test asks for it (skipped, with the reason, where its binary does not
 run). Tests ask for :func:`s3_root` or :func:`seaweed_root` to get a fresh prefix each, and open
-it with :func:`open_s3`.
+it with :func:`open_s3`. Azurite (:class:`trainsnap.testing.azurite.AzuriteBlob`, Microsoft's
+Azure Blob emulator) and fake-gcs-server (:class:`trainsnap.testing.gcs.FakeGCS`) are started the
+same way; :func:`az_root` and :func:`gcs_root` give a fresh ``az://`` or ``gs://`` prefix.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +24,8 @@ from dataclasses import dataclass
 import pytest
 
 from trainsnap.storage import Storage, open_storage
+from trainsnap.testing import gcs
+from trainsnap.testing.azurite import CONTAINER, AzuriteBlob, azurite_binary, connection_string
 from trainsnap.testing.s3 import BUCKET, LoopbackS3
 from trainsnap.testing.seaweedfs import SeaweedS3, ServerUnavailable, weed_binary
 
@@ -79,3 +87,104 @@ def seaweed_endpoint() -> Iterator[str]:
 def seaweed_root(seaweed_endpoint: str) -> S3Root:
     """A unique ``s3://bucket/<prefix>`` on SeaweedFS per test."""
     return S3Root(f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}", seaweed_endpoint)
+
+
+@dataclass(frozen=True)
+class AzRoot:
+    """A fresh prefix of the test container on Azurite, and how to reach it."""
+
+    url: str
+    endpoint: str
+
+    @property
+    def options(self) -> dict[str, str]:
+        """``storage_options`` for this root."""
+        return {"connection_string": connection_string(self.endpoint)}
+
+    def open(self) -> Storage:
+        return open_storage(self.url, **self.options)
+
+
+def container_blobs(endpoint: str) -> set[str]:
+    """Every blob in the test container, read with the Azure SDK rather than the backend."""
+    from azure.storage.blob import BlobServiceClient
+
+    client = BlobServiceClient.from_connection_string(connection_string(endpoint))
+    return {blob.name for blob in client.get_container_client(CONTAINER).list_blobs()}
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint() -> Iterator[str]:
+    """Start Azurite's blob service with one container; yield its URL."""
+    for module in ("adlfs", "azure.storage.blob"):
+        pytest.importorskip(module)
+    try:
+        azurite_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"Azurite (Azure Blob emulator) unavailable: {e}")
+    with AzuriteBlob() as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def az_root(azurite_endpoint: str) -> AzRoot:
+    """A unique ``az://container/<prefix>`` on Azurite per test."""
+    return AzRoot(f"az://{CONTAINER}/t-{uuid.uuid4().hex[:12]}", azurite_endpoint)
+
+
+@dataclass(frozen=True)
+class GcsRoot:
+    """A fresh prefix of the test bucket on fake-gcs-server, and how to reach it."""
+
+    url: str
+    endpoint: str
+
+    @property
+    def options(self) -> dict[str, str]:
+        return gcs.options(self.endpoint)
+
+    def open(self) -> Storage:
+        return open_storage(self.url, **self.options)
+
+
+def gcs_objects(endpoint: str) -> set[str]:
+    """Every object in the test bucket, read through the JSON API rather than the backend."""
+    names: set[str] = set()
+    token = ""
+    while True:
+        query = urllib.parse.urlencode({"pageToken": token} if token else {})
+        with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{gcs.BUCKET}/o?{query}") as r:
+            page = json.load(r)
+        names |= {item["name"] for item in page.get("items", [])}
+        token = page.get("nextPageToken", "")
+        if not token:
+            return names
+
+
+def gcs_put(endpoint: str, name: str, data: bytes) -> None:
+    """Upload one object through the JSON API (for what other tools leave in a bucket)."""
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    request = urllib.request.Request(
+        f"{endpoint}/upload/storage/v1/b/{gcs.BUCKET}/o?{query}", data=data, method="POST"
+    )
+    with urllib.request.urlopen(request):
+        pass
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    """Start fake-gcs-server with one bucket; yield its URL."""
+    gcs.use_plain_gcsfs()
+    pytest.importorskip("gcsfs")
+    try:
+        gcs.fake_gcs_binary()
+    except ServerUnavailable as e:
+        pytest.skip(f"fake-gcs-server (GCS emulator) unavailable: {e}")
+    with gcs.FakeGCS() as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def gcs_root(gcs_endpoint: str) -> GcsRoot:
+    """A unique ``gs://bucket/<prefix>`` on fake-gcs-server per test."""
+    return GcsRoot(f"gs://{gcs.BUCKET}/t-{uuid.uuid4().hex[:12]}", gcs_endpoint)

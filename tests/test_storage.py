@@ -2,9 +2,10 @@
 
 The snapshot engine relies only on the protocol in ``trainsnap.storage.base``; these tests pin
 that protocol down (exact bytes, exact errors, exact listings, conditional creates) on a POSIX
-directory, an fsspec ``memory://`` root, S3 served by a loopback moto server and S3 served by a
-real S3 server (SeaweedFS), so that a backend which drifts from the others fails here rather than
-as a corrupt or unreadable snapshot, or an unfenced writer, later.
+directory, an fsspec ``memory://`` root, S3 served by a loopback moto server, S3 served by a
+real S3 server (SeaweedFS), Azure Blob served by Azurite (Microsoft's emulator) and Google Cloud
+Storage served by fake-gcs-server, so that a backend which drifts from the others fails here
+rather than as a corrupt or unreadable snapshot, or an unfenced writer, later.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 import trainsnap as ts
-from s3_fixture import S3Root, bucket_keys
+from s3_fixture import AzRoot, GcsRoot, S3Root, bucket_keys, container_blobs, gcs_objects, gcs_put
 from trainsnap import faults
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.storage import PosixStorage, Storage, open_storage
@@ -87,12 +90,45 @@ def _s3_backend(name: str, root: S3Root) -> Backend:
     return Backend(name, root.open(), lambda: bucket_keys(root.endpoint), make_folder)
 
 
+def _az_backend(root: AzRoot) -> Backend:
+    from azure.storage.blob import BlobServiceClient
+
+    from trainsnap.testing.azurite import CONTAINER, connection_string
+
+    def make_folder(prefix: str) -> None:
+        # What Hadoop's connectors and Azure tools leave for a directory on a flat namespace.
+        client = BlobServiceClient.from_connection_string(connection_string(root.endpoint))
+        top = root.url.removeprefix(f"az://{CONTAINER}/")
+        client.get_blob_client(CONTAINER, f"{top}/{prefix.rstrip('/')}/").upload_blob(
+            b"", metadata={"hdi_isfolder": "true"}
+        )
+
+    return Backend("az", root.open(), lambda: container_blobs(root.endpoint), make_folder)
+
+
+def _gcs_backend(root: GcsRoot) -> Backend:
+    from trainsnap.testing.gcs import BUCKET
+
+    def make_folder(prefix: str) -> None:
+        # The zero-byte ``prefix/`` object the console's "create folder" leaves.
+        top = root.url.removeprefix(f"gs://{BUCKET}/")
+        gcs_put(root.endpoint, f"{top}/{prefix.rstrip('/')}/", b"")
+
+    return Backend("gcs", root.open(), lambda: gcs_objects(root.endpoint), make_folder)
+
+
 S3_BACKENDS = {"s3": "s3_root", "seaweedfs": "seaweed_root"}
 """S3 backends and the fixture giving each a fresh root: moto, and a real S3 server."""
 
 
 @pytest.fixture(
-    params=["posix", "memory", *(pytest.param(name, marks=pytest.mark.s3) for name in S3_BACKENDS)]
+    params=[
+        "posix",
+        "memory",
+        *(pytest.param(name, marks=pytest.mark.s3) for name in S3_BACKENDS),
+        pytest.param("az", marks=pytest.mark.az),
+        pytest.param("gcs", marks=pytest.mark.gcs),
+    ]
 )
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """Each conformance test runs once per backend, on an empty root of its own."""
@@ -100,6 +136,10 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         yield _posix_backend(tmp_path)
     elif request.param == "memory":
         yield from _memory_backend()
+    elif request.param == "az":
+        yield _az_backend(request.getfixturevalue("az_root"))
+    elif request.param == "gcs":
+        yield _gcs_backend(request.getfixturevalue("gcs_root"))
     else:
         root = request.getfixturevalue(S3_BACKENDS[request.param])
         yield _s3_backend(request.param, root)
@@ -182,7 +222,8 @@ def _fsspec_of(storage: Storage) -> FsspecStorage | None:
 
 
 def test_large_object(backend: Backend) -> None:
-    """Big enough to go up in parts (multipart upload on S3, parts of 5 MiB, S3's least)."""
+    """Big enough to go up in parts (multipart upload on S3, parts of 5 MiB, S3's least;
+    staged blocks on Azure; a resumable upload in chunks on GCS)."""
     storage = backend.storage
     fsspec_backend = _fsspec_of(storage)
     if fsspec_backend is not None:
@@ -200,6 +241,20 @@ def test_large_object(backend: Backend) -> None:
         assert fsspec_backend is not None
         etag = fsspec_backend.fs.info(fsspec_backend._path("objects/ff/big"))["ETag"]
         assert etag.strip('"').endswith("-3"), f"not a 3-part upload: ETag {etag}"
+    if backend.name == "az":
+        assert fsspec_backend is not None
+        blocks = _az_committed_blocks(fsspec_backend, "objects/ff/big")
+        assert blocks == 3, f"not a 3-block upload: {blocks} committed blocks"
+
+
+def _az_committed_blocks(storage: FsspecStorage, key: str) -> int:
+    """How many blocks the Azure blob ``key`` was committed from (0: one Put Blob)."""
+    from azure.storage.blob import BlobClient
+
+    container, _, blob = storage._path(key).partition("/")
+    client = BlobClient.from_connection_string(storage.fs.connection_string, container, blob)
+    committed, _ = client.get_block_list("committed")
+    return len(committed)
 
 
 # -- missing keys and short objects ------------------------------------------------------------
@@ -305,6 +360,17 @@ def test_overwrite_replaces_whole_content(storage: Storage) -> None:
     assert storage.get("snapshots/s/manifest.json") == b"short"
     assert storage.stat("snapshots/s/manifest.json") == 5
     assert list(storage.list("snapshots/")) == ["snapshots/s/manifest.json"]
+
+
+def test_mtime_is_the_time_of_the_last_write(storage: Storage) -> None:
+    """The collector's grace period reads it: an object written now must not look old (an
+    unread time taken as the epoch would let the collector delete a save's fresh objects)."""
+    before = time.time()
+    storage.put("objects/ab/timed", b"x")
+    written = storage.mtime("objects/ab/timed")
+    assert before - 2 <= written <= time.time() + 2, (before, written)
+    with pytest.raises(FileNotFoundError):
+        storage.mtime("objects/ab/never-written")
 
 
 def test_concurrent_identical_puts(storage: Storage) -> None:
@@ -442,6 +508,29 @@ def test_backend_errors_are_builtins(backend: Backend, tmp_path: Path) -> None:
     if backend.name == "posix":
         (tmp_path / "a-file").write_bytes(b"x")
         broken: Storage = PosixStorage(tmp_path / "a-file" / "root")
+    elif backend.name == "az":  # nothing listens there: the Azure SDK fails in its own way
+        from azure.storage.blob.aio import BlobServiceClient
+
+        from trainsnap.testing.azurite import connection_string
+        from trainsnap.testing.harness import free_port
+
+        unreachable = connection_string(f"http://127.0.0.1:{free_port()}")
+        az = _fsspec_of(open_storage("az://container/run", connection_string=unreachable))
+        assert az is not None
+        # No retries (the SDK's own back off for a minute): the first error is the one.
+        az.fs.service_client = BlobServiceClient.from_connection_string(unreachable, retry_total=0)
+        broken = az
+    elif backend.name == "gcs":
+        from trainsnap.testing.gcs import options
+        from trainsnap.testing.harness import free_port
+
+        gs = _fsspec_of(
+            open_storage("gs://bucket/run", **options(f"http://127.0.0.1:{free_port()}"))
+        )
+        assert gs is not None
+        # gcsfs retries a refused connection 6 times over 30 s; one try gives the same error.
+        gs.fs._request = types.MethodType(type(gs.fs)._request.__wrapped__, gs.fs)
+        broken = gs
     else:  # nothing listens there: the client library fails to connect, in its own way
         from trainsnap.testing.harness import free_port
 

@@ -30,7 +30,9 @@ class FsspecStorage:
         self.url = url
         self.part_size: int | None = None
         """Bytes per part of a multipart upload (s3fs: an object of two parts or more is
-        uploaded in parts); None leaves the file system's default (50 MiB on s3fs)."""
+        uploaded in parts; gcsfs: in the chunks of a resumable upload; adlfs: in staged blocks);
+        None leaves the file system's default (50 MiB on s3fs and gcsfs; on adlfs one Put Blob
+        up to 64 MiB, 4 MiB blocks above)."""
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -42,13 +44,26 @@ class FsspecStorage:
         bufs = as_buffers(data)
         payload = bytes(bufs[0]) if len(bufs) == 1 else b"".join(bufs)
         path = self._path(key)  # outside the try: a bad key stays InvalidArgumentError
-        sizing = {} if self.part_size is None else {"chunksize": self.part_size}
         try:
-            self.fs.pipe_file(path, payload, **sizing)
-        except OSError:
-            raise
+            self.fs.pipe_file(path, payload, **self._part_options())
         except Exception as e:  # botocore and friends: keep the cause, give callers an OSError
-            raise OSError(f"put {self.url}/{key} failed: {type(e).__name__}: {e}") from e
+            if not _is_builtin(e):
+                raise _as_builtin(e, f"put {self.url}/{key}") from e
+            raise
+
+    def _part_options(self) -> dict[str, int]:
+        """The keyword arguments of ``pipe_file`` that apply :attr:`part_size`."""
+        if self.part_size is None:
+            return {}
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if "s3" in protocols or "gs" in protocols:  # s3fs: multipart; gcsfs: resumable upload
+            return {"chunksize": self.part_size}
+        # adlfs: the Azure SDK takes block sizes from its client's configuration, not per call
+        # (an unknown keyword would reach the HTTP session and fail the put).
+        config = getattr(getattr(self.fs, "service_client", None), "_config", None)
+        if config is not None:
+            config.max_single_put_size = config.max_block_size = self.part_size
+        return {}
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -61,16 +76,24 @@ class FsspecStorage:
             data: bytes = self.fs.cat_file(path, start=start or None, end=end)
         except FileNotFoundError:
             raise
-        except OSError as e:
-            # S3 also answers 416 to a range that starts at or past the end of the object.
-            if end is not None and self.stat(key) < end:
-                raise self._short(key, start, end, 0) from e
-            raise
         except Exception as e:
-            raise OSError(f"get {self.url}/{key} failed: {type(e).__name__}: {e}") from e
+            # S3 and Azure answer 416 to a range that starts at or past the end of the object
+            # (s3fs makes an OSError of it, adlfs leaves the SDK's HttpResponseError).
+            if end is not None and self._size_below(key, end):
+                raise self._short(key, start, end, 0) from e
+            if not _is_builtin(e):
+                raise _as_builtin(e, f"get {self.url}/{key}") from e
+            raise
         if end is not None and len(data) != end - start:
             raise self._short(key, start, end, len(data))
         return data
+
+    def _size_below(self, key: str, end: int) -> bool:
+        """Whether ``key`` is shorter than ``end`` bytes (False when that cannot be told)."""
+        try:
+            return self.stat(key) < end
+        except OSError:
+            return False
 
     def _short(self, key: str, start: int, end: int, got: int) -> ShortReadError:
         return ShortReadError(
@@ -84,10 +107,10 @@ class FsspecStorage:
         path = self._path(key)
         try:
             info = self.fs.info(path)
-        except OSError:
-            raise
         except Exception as e:
-            raise OSError(f"stat {self.url}/{key} failed: {type(e).__name__}: {e}") from e
+            if not _is_builtin(e):
+                raise _as_builtin(e, f"stat {self.url}/{key}") from e
+            raise
         if info.get("type") == "directory":
             raise FileNotFoundError(f"{self.url}/{key}")
         return int(info["size"])
@@ -144,9 +167,9 @@ class FsspecStorage:
         try:
             self.stat(key)
         except FileNotFoundError:
-            if isinstance(error, OSError):
+            if _is_builtin(error):
                 raise error from None
-            raise OSError(f"put_if_absent {self.url}/{key} failed: {error!r}") from error
+            raise _as_builtin(error, f"put_if_absent {self.url}/{key}") from error
         log.warning(
             "create of %s/%s failed (%r) but the key exists: counted as not created",
             self.url,
@@ -156,21 +179,48 @@ class FsspecStorage:
         return False
 
     def mtime(self, key: str) -> float:
+        """When ``key`` was last written. A file system that reports no time known here counts
+        the object as written now: the collector then keeps it (a leak) rather than taking an
+        object a save in flight may be reusing for an old one. One HEAD."""
         info = self.fs.info(self._path(key))
-        for field in ("LastModified", "mtime", "created"):
+        # s3fs: LastModified; adlfs: last_modified; gcsfs: mtime; memory: created.
+        for field in ("LastModified", "last_modified", "mtime", "created"):
             value = info.get(field)
             if value is None:
                 continue
             if hasattr(value, "timestamp"):
                 return float(value.timestamp())
             return float(value)
-        return 0.0
+        return time.time()
 
     def refresh(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
         """Object stores cannot touch an object: write it again (same name, same bytes), unless
         it was written recently enough for any collector's grace period."""
         if time.time() - self.mtime(key) > REFRESH_AFTER:
             self.put(key, data)
+
+
+def _is_builtin(error: BaseException) -> bool:
+    """Whether ``error`` is an ``OSError`` of a builtin type (or trainsnap's own)."""
+    return isinstance(error, OSError) and type(error).__module__.split(".")[0] in (
+        "builtins",
+        "trainsnap",
+    )
+
+
+def _as_builtin(error: BaseException, what: str) -> OSError:
+    """A new ``OSError`` of the nearest builtin class of ``error`` (aiohttp's connection
+    errors, for one, subclass ``OSError``; plain ``OSError`` for errors that are none), naming
+    ``what`` failed and why, to be raised from ``error``: callers catch builtins only."""
+    kind = next(
+        (
+            c
+            for c in type(error).__mro__
+            if c.__module__ == "builtins" and isinstance(c, type) and issubclass(c, OSError)
+        ),
+        OSError,
+    )
+    return kind(f"{what} failed: {type(error).__name__}: {error}")
 
 
 def _precondition_failed(error: BaseException) -> bool:
