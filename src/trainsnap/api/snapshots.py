@@ -15,10 +15,10 @@ from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
 from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.errors import (
-    CommitFailedError,
     CorruptError,
     IncompleteError,
     InvalidArgumentError,
+    LoadFailedError,
     NotFoundError,
     TrainsnapError,
 )
@@ -160,7 +160,7 @@ def load(
 def is_damage(error: TrainsnapError) -> bool:
     """Whether a load failure on this rank is damage to the snapshot (or another rank's
     failure), the failures after which a load may fall back to an older snapshot."""
-    return isinstance(error, CorruptError | IncompleteError | CommitFailedError)
+    return isinstance(error, CorruptError | IncompleteError | LoadFailedError)
 
 
 def agree_damage(comm: Comm, error: TrainsnapError) -> bool:

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
-from trainsnap.errors import CommitFailedError
+from trainsnap.errors import CommitFailedError, LoadFailedError
 from trainsnap.protocol.store_ops import (
     CLIENTS_LOCK,
     idle_clients_of,
@@ -36,8 +36,9 @@ from trainsnap.protocol.store_ops import (
 log = logging.getLogger(__name__)
 
 
-class PeerLost(CommitFailedError):
-    """Ranks did not take part in an exchange in time (dead, hung or partitioned away)."""
+class PeerLost(CommitFailedError, LoadFailedError):
+    """Ranks did not take part in an exchange in time (dead, hung or partitioned away): the
+    save or the load the exchange was part of failed, so it is either kind."""
 
     def __init__(self, message: str, ranks: dict[int, str]) -> None:
         super().__init__(message, rank_errors=ranks)

@@ -54,7 +54,6 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger("trainsnap.save")
-load_log = logging.getLogger("trainsnap.load")
 
 
 def _refusal(problems: list[str]) -> TrainsnapError:
