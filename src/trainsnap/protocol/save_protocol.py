@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,7 +41,7 @@ from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 from trainsnap.protocol.outcome import Outcome, describe_error
 from trainsnap.protocol.planner import (
     Assignment,
-    PlanCache,
+    Channel,
     RankMeta,
     SavePlan,
     layout_digest,
@@ -168,11 +167,11 @@ def _agree(
         assignment: Assignment = reduce_scatter(comm, session, "meta", lambda: meta, plan, lost)
     channel = _channel(storage, comm, comm.rank)
     if assignment.problems:
-        _SENT.pop(channel, None)  # the next save sends the layout in full
+        comm.plans.sent.pop(channel, None)  # the next save sends the layout in full
         raise _refusal(assignment.problems)
     assert local is not None
     if meta is not None:
-        _SENT[channel] = meta.layout
+        comm.plans.sent[channel] = meta.layout
     whole, metas = planned[0] if planned else (None, None)
     return PendingSave(
         storage, opts, comm, session, hasher, local, assignment, metas, whole, mesh, t0
@@ -216,16 +215,8 @@ def _not_planned(step: int, ranks: dict[int, str]) -> TrainsnapError:
 
 # -- cached plans ---------------------------------------------------------------------------------
 
-_SENT: dict[tuple[str, int, int, int], bytes] = {}
-"""The layout each rank last had accepted, by channel (root, world size, coordinator, rank)."""
-_PLANS: OrderedDict[tuple[str, int, int, int], PlanCache] = OrderedDict()
-"""The coordinator's last full plan per channel (a few roots at most)."""
-_MAX_PLANS = 4
-PLAN_COUNTS = {"full": 0, "reused": 0, "digests_received": 0}
-"""How the coordinator planned (for tests and benchmarks)."""
 
-
-def _channel(storage: Storage, comm: Comm, rank: int) -> tuple[str, int, int, int]:
+def _channel(storage: Storage, comm: Comm, rank: int) -> Channel:
     return (storage.url, comm.world_size, comm.coordinator, rank)
 
 
@@ -233,24 +224,17 @@ def _rank_meta(local: Local, storage: Storage, comm: Comm, step: int) -> RankMet
     """This rank's description; only a digest of it when its layout is the one it last sent."""
     meta = local.meta(comm.rank, step)
     meta.layout = layout_digest(meta)
-    if _SENT.get(_channel(storage, comm, comm.rank)) == meta.layout:
+    if comm.plans.sent.get(_channel(storage, comm, comm.rank)) == meta.layout:
         return RankMeta(comm.rank, step, [], meta.values, layout=meta.layout, cached=True)
     return meta
 
 
 def _coordinator_plan(metas: list[RankMeta], sid: str, storage: Storage, comm: Comm) -> SavePlan:
-    channel = _channel(storage, comm, -1)
-    cache = _PLANS.get(channel)
+    channel, memory = _channel(storage, comm, -1), comm.plans
+    cache = memory.plans.get(channel)
     plan, kept = plan_cached(metas, sid, cache)
-    PLAN_COUNTS["digests_received"] += sum(m.cached for m in metas)
-    if kept is None:
-        _PLANS.pop(channel, None)
-    else:
-        PLAN_COUNTS["reused" if kept is cache else "full"] += 1
-        _PLANS[channel] = kept
-        _PLANS.move_to_end(channel)
-        while len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
+    memory.counts["digests_received"] += sum(m.cached for m in metas)
+    memory.keep(channel, kept, reused=kept is not None and kept is cache)
     return plan
 
 
