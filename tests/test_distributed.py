@@ -426,7 +426,7 @@ def test_pipeline_stages_get_their_own_layers_back_and_not_the_others(tmp_path):
         assert out == [saved[layers[0][0]], saved[layers[1][0]]]
     # No rank holds layer 1: the model changed since the save. Every rank fails, naming it.
     lost = assert_all_ok(run_ranks(_load_stages, 2, args=(root, [[0], [0]])))
-    assert [error for error, _ in lost] == ["CommitFailedError"] * 2
+    assert [error for error, _ in lost] == ["LoadFailedError"] * 2
     assert all("no rank loads 4 key(s)" in why and "layers.1.weight" in why for _, why in lost)
     (both,) = assert_all_ok(run_ranks(_load_stages, 1, args=(root, [[0, 1]], "weights")))
     weights = {k: v for k, v in (saved[0] | saved[1]).items() if k.count(".") == 2}

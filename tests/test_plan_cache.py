@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import trainsnap as ts
-from trainsnap.protocol import save_protocol
+from trainsnap.protocol.control_plane import default_comm
 from trainsnap.testing import assert_all_ok, run_ranks
 
 
@@ -37,7 +37,7 @@ def _saves(rank: int, world: int, root: str) -> list[tuple[str, int, int, int]]:
     changes = ["first", "same", "same", "shape", "key", "restart", "same"]
     for step, change in enumerate(changes, start=1):
         if change == "restart" and rank == 1:
-            save_protocol._SENT.clear()  # what a restarted process remembers
+            default_comm().plans.forget_sent()  # what a restarted process remembers
         wide, extra = step >= 4, step >= 5  # each change stays
         state = _state(rank, step, wide=wide, extra=extra)
         ts.save(state, root, step=step, timeout=60)
@@ -45,7 +45,7 @@ def _saves(rank: int, world: int, root: str) -> list[tuple[str, int, int, int]]:
         ts.load(dst, root, timeout=60)  # every snapshot is exactly what was saved
         assert torch.equal(dst["w"].local, state["w"].local) and dst["step"] == step
         assert torch.equal(dst["b"], state["b"])
-        counts = save_protocol.PLAN_COUNTS
+        counts = default_comm().plans.counts
         out.append((change, counts["full"], counts["reused"], counts["digests_received"]))
     return out
 
@@ -67,7 +67,7 @@ def test_plans_are_reused_while_layouts_stay_and_replanned_on_any_change(tmp_pat
 def _forgetful_coordinator(rank: int, world: int, root: str) -> list[str]:
     ts.save(_state(rank, 1), root, step=1, timeout=60)
     if rank == 0:
-        save_protocol._PLANS.clear()  # the coordinator lost its plan, the ranks did not
+        default_comm().plans.forget_plans()  # the coordinator lost its plan, the ranks did not
     outcomes = []
     for step in (2, 3):
         try:
@@ -92,8 +92,8 @@ def _killed_during_cached_save(rank: int, world: int, root: str) -> tuple[str, i
     try:
         ts.save(_state(rank, 2, world=world), root, step=2, timeout=30)
     except ts.CommitFailedError as e:
-        return f"failed: {e}", save_protocol.PLAN_COUNTS["reused"]
-    return "committed", save_protocol.PLAN_COUNTS["reused"]
+        return f"failed: {e}", default_comm().plans.counts["reused"]
+    return "committed", default_comm().plans.counts["reused"]
 
 
 def test_a_rank_killed_during_a_cached_save_fails_the_commit_and_is_named(tmp_path):

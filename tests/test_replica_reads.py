@@ -187,7 +187,7 @@ def _load_corrupt(rank: int, world: int, root: str) -> tuple[str, str, list[int]
         ts.load(_ddp_state(rank, blank=True), root, timeout=60)
     except ts.CorruptError as e:
         return ("corrupt", str(e), [])
-    except ts.CommitFailedError as e:
+    except ts.LoadFailedError as e:
         return ("named", str(e), sorted(e.rank_errors))
     return ("loaded", "", [])
 

@@ -19,6 +19,7 @@ from trainsnap.errors import (
     IncompatibleError,
     IncompleteError,
     InvalidArgumentError,
+    LoadFailedError,
     NotFoundError,
     TrainsnapError,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "KeepTagged",
+    "LoadFailedError",
     "LocalTier",
     "ManagerOptions",
     "NotFoundError",

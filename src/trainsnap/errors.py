@@ -19,6 +19,7 @@ __all__ = [
     "IncompatibleError",
     "IncompleteError",
     "InvalidArgumentError",
+    "LoadFailedError",
     "NotFoundError",
     "TrainsnapError",
 ]
@@ -105,11 +106,11 @@ class IncompatibleError(TrainsnapError):
     needs an explicit opt-in."""
 
 
-class CommitFailedError(TrainsnapError):
-    """A save did not commit. Nothing of it will ever be listed or read.
+class _RankErrors(TrainsnapError):
+    """A step of several ranks that failed: each failing rank and its cause.
 
     Attributes:
-        rank_errors: for a multi-rank save, each failing rank and its cause.
+        rank_errors: each failing rank and its cause (one line each in ``problems`` too).
     """
 
     def __init__(
@@ -136,6 +137,24 @@ class CommitFailedError(TrainsnapError):
             see_all=see_all,
         )
         self.rank_errors = errs
+
+
+class CommitFailedError(_RankErrors):
+    """A save did not commit. Nothing of it will ever be listed or read.
+
+    Attributes:
+        rank_errors: for a multi-rank save, each failing rank and its cause.
+    """
+
+
+class LoadFailedError(_RankErrors):
+    """A load failed on some rank (or a rank was lost during it), so it failed on every rank.
+    The tensors it was reading into are partly filled: load again before using the state.
+
+    Attributes:
+        rank_errors: each failing rank and its cause; the failing rank itself raises its own
+            error (corrupt, incompatible, ...), the others this one.
+    """
 
 
 class InvalidArgumentError(TrainsnapError, ValueError):

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 from trainsnap.engine.staging import StagingPool
-from trainsnap.errors import TrainsnapError
+from trainsnap.errors import InvalidArgumentError, TrainsnapError
 from trainsnap.protocol.control_plane import Comm
 from trainsnap.protocol.rank_save import SaveRequest
 from trainsnap.protocol.save_protocol import PendingSave, SaveResult, finish_save, prepare_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.save")
+log = logging.getLogger(__name__)
 
 
 class SaveHandle:
@@ -126,7 +126,7 @@ class AsyncSaver:
         staging_budget: int | None = None,
     ) -> None:
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.skip_if_busy = skip_if_busy
         self.pool = StagingPool(staging_budget)

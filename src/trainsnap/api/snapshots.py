@@ -15,10 +15,10 @@ from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
 from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.errors import (
-    CommitFailedError,
     CorruptError,
     IncompleteError,
     InvalidArgumentError,
+    LoadFailedError,
     NotFoundError,
     TrainsnapError,
 )
@@ -165,7 +165,7 @@ def is_damage(error: TrainsnapError) -> bool:
     is not: an older snapshot cannot load without it either."""
     if _lost_a_rank(error):
         return False
-    return isinstance(error, CorruptError | IncompleteError | CommitFailedError)
+    return isinstance(error, CorruptError | IncompleteError | LoadFailedError)
 
 
 def _lost_a_rank(error: BaseException | None) -> bool:

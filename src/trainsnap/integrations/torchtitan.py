@@ -54,7 +54,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 import trainsnap as ts
-from trainsnap.errors import IncompatibleError, NotFoundError
+from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
 from trainsnap.format.manifest import LEVELS, level_rank
 from trainsnap.state.capture import is_stateful
 
@@ -107,20 +107,22 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
-                raise ValueError(f"Invalid async_mode: {self.async_mode!r}")
+                raise InvalidArgumentError(f"Invalid async_mode: {self.async_mode!r}")
             if self.compression is not None and self.compression not in COMPRESSIONS:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"compression must be one of {COMPRESSIONS} or None, got {self.compression!r}"
                 )
             if bool(self.local_folder) != (self.local_interval > 0):
-                raise ValueError(
+                raise InvalidArgumentError(
                     "local_folder and local_interval go together: a local tier needs both (got "
                     f"local_folder={self.local_folder!r}, local_interval={self.local_interval})"
                 )
             if self.resume_level not in LEVELS:
-                raise ValueError(f"resume_level must be one of {LEVELS}, got {self.resume_level!r}")
+                raise InvalidArgumentError(
+                    f"resume_level must be one of {LEVELS}, got {self.resume_level!r}"
+                )
             if self.initial_load_in_hf or self.last_save_in_hf:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "TrainsnapCheckpointManager stores trainsnap snapshots, not Hugging Face "
                     "safetensors: export a snapshot's model with `trainsnap export ROOT ID OUT "
                     "--format safetensors`; to start from HF weights, make the first run's "
@@ -194,7 +196,7 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
         excluded = set(self.config.exclude_from_loading)
         unknown = excluded - {OPTIMIZER, LR_SCHEDULER, DATALOADER, *self.states}
         if unknown:
-            raise ValueError(f"{sorted(unknown)} not found in state_dict.")
+            raise InvalidArgumentError(f"{sorted(unknown)} not found in state_dict.")
         kept = [k for k in self.states if k not in excluded]
         data = None
         if self.dataloader is not None and DATALOADER not in excluded:
@@ -367,7 +369,7 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         if not filesystem.isdir(path):
-            raise ValueError(f"Checkpoint.initial_load_path is invalid: {path}")
+            raise InvalidArgumentError(f"Checkpoint.initial_load_path is invalid: {path}")
         # torchtitan's DCP layout: model FQNs at the top, every other state under its name.
         sd = dict(self.model.state_dict())
         if not model_only:

@@ -26,11 +26,11 @@ collected at once, collection pausing while one of its saves is in flight
 taken over) only objects older than ``gc_grace`` go. A save handle is done at its commit, before
 that work; :meth:`CheckpointManager.wait` and :meth:`CheckpointManager.close` wait for it too.
 
-Tiers: with ``local_root``, frequent snapshots (``local_interval``) go to a fast local tier and
-durable ones (``interval``, preemption) are saved there too and then promoted to ``root`` in the
-background (objects, manifest, marker). Restore takes the newest snapshot that loads, whichever
-tier holds it, and falls back snapshot by snapshot and tier by tier. Only snapshots on ``root``
-count as durable (:attr:`CheckpointManager.durable_step`).
+Tiers: with ``local=LocalTier(...)``, frequent snapshots (its ``interval``) go to a fast local
+tier and durable ones (``interval``, preemption) are saved there too and then promoted to
+``root`` in the background (objects, manifest, marker). Restore takes the newest snapshot that
+loads, whichever tier holds it, and falls back snapshot by snapshot and tier by tier. Only
+snapshots on ``root`` count as durable (:attr:`CheckpointManager.durable_step`).
 """
 
 from __future__ import annotations
@@ -462,7 +462,9 @@ class CheckpointManager:
         if tier not in ("durable", "local"):
             raise InvalidArgumentError(f"tier must be 'durable' or 'local', got {tier!r}")
         if tier == "local" and self.local is None:
-            raise InvalidArgumentError("tier='local' needs a local_root= on the manager")
+            raise InvalidArgumentError(
+                "tier='local' needs a local tier: pass local=LocalTier(root=...) to the manager"
+            )
         meta: dict[str, Any] = {}
         if metrics:
             meta["metrics"] = {str(k): float(v) for k, v in metrics.items()}

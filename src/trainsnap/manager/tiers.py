@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainsnap import faults
-from trainsnap.errors import TrainsnapError
+from trainsnap.errors import InvalidArgumentError, TrainsnapError
 from trainsnap.format.manifest import manifest_key, marker_key, object_key
 from trainsnap.manager import lease
 from trainsnap.manager.policies import Candidate, Retention, to_delete
@@ -40,7 +40,10 @@ class NodeTier:
 
     def __init__(self, roots: Sequence[Storage], node: int, *, partner: bool = True) -> None:
         if not roots or not 0 <= node < len(roots):
-            raise ValueError(f"node {node} outside the {len(roots)} node roots")
+            raise InvalidArgumentError(
+                f"node {node} outside the {len(roots)} node roots: LocalTier(node=) must be "
+                f"0 to {len(roots) - 1}, or unset to take NODE_RANK"
+            )
         self.roots = list(roots)
         self.node = node
         self.partner = partner and len(roots) > 1
@@ -219,12 +222,13 @@ class Tier:
 
 
 def open_local(
-    local_root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
+    root: Any, node: int | None, partner: bool, options: Mapping[str, Any] | None
 ) -> Storage:
-    """The local tier: one root, or this node's view of one root per node."""
-    if isinstance(local_root, str | os.PathLike) or hasattr(local_root, "put"):
-        return open_storage(local_root, **dict(options or {}))
-    roots = [open_storage(r, **dict(options or {})) for r in local_root]
+    """The local tier (:attr:`LocalTier.root`): one root, or this node's view of one root per
+    node."""
+    if isinstance(root, str | os.PathLike) or hasattr(root, "put"):
+        return open_storage(root, **dict(options or {}))
+    roots = [open_storage(r, **dict(options or {})) for r in root]
     if node is None:
         node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
     return open_storage(NodeTier(roots, node, partner=partner))

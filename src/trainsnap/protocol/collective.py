@@ -54,11 +54,11 @@ class _Refused:
 
 
 @dataclass(frozen=True, slots=True)
-class _Local:
-    """A rank's part of a step: its result, or why it failed."""
+class _RankFailed:
+    """What a rank sends instead of its part of a step when ``local`` raised: why. A part that
+    succeeded is sent as it is (no wrapper: a step's messages stay the size of their parts)."""
 
-    value: Any = None
-    error: str | None = None
+    error: str
 
 
 def all_reduce(
@@ -100,16 +100,16 @@ def _step(
     scatter: bool,
 ) -> Any:
     mine: TrainsnapError | None = None
-    part = _Local()
+    part: Any = None
     if local is not None:
         try:
-            part = _Local(value=local())
+            part = local()
         except TrainsnapError as e:
-            mine, part = e, _Local(error=describe_error(e))
+            mine, part = e, _RankFailed(describe_error(e))
     decision: Any = None
     reduce_error: TrainsnapError | None = None
     if local is None:
-        parts: list[_Local] | None = [part] if comm.is_coordinator else None
+        parts: list[Any] | None = [part] if comm.is_coordinator else None
     else:
         try:
             parts = session.gather(tag, part)
@@ -119,12 +119,12 @@ def _step(
             raise
     if comm.is_coordinator:
         assert parts is not None
-        errors = {r: p.error for r, p in enumerate(parts) if p.error is not None}
+        errors = {r: p.error for r, p in enumerate(parts) if isinstance(p, _RankFailed)}
         if errors:
             decision = _Failed(errors)
         else:
             try:
-                decision = reduce([p.value for p in parts])
+                decision = reduce(parts)
             except TrainsnapError as e:
                 reduce_error, decision = e, _Refused(type(e).__name__, str(e))
     outcome = _send(session, tag, decision, comm.world_size, scatter)

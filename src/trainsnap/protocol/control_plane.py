@@ -24,10 +24,11 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
-from trainsnap.errors import CommitFailedError
+from trainsnap.errors import CommitFailedError, LoadFailedError
+from trainsnap.protocol.planner import PlanMemory
 from trainsnap.protocol.store_ops import (
     CLIENTS_LOCK,
-    idle_clients_of,
+    job_of,
     present,
     read_all,
     set_timeout,
@@ -36,8 +37,9 @@ from trainsnap.protocol.store_ops import (
 log = logging.getLogger(__name__)
 
 
-class PeerLost(CommitFailedError):
-    """Ranks did not take part in an exchange in time (dead, hung or partitioned away)."""
+class PeerLost(CommitFailedError, LoadFailedError):
+    """Ranks did not take part in an exchange in time (dead, hung or partitioned away): the
+    save or the load the exchange was part of failed, so it is either kind."""
 
     def __init__(self, message: str, ranks: dict[int, str]) -> None:
         super().__init__(message, rank_errors=ranks)
@@ -48,6 +50,7 @@ class Comm(Protocol):
     rank: int
     world_size: int
     coordinator: int
+    plans: PlanMemory
 
     @property
     def is_coordinator(self) -> bool: ...
@@ -92,6 +95,9 @@ class LocalComm:
     world_size = 1
     coordinator = 0
     is_coordinator = True
+
+    def __init__(self) -> None:
+        self.plans = PlanMemory()  # a process alone plans afresh: nothing to remember
 
     def session(self, name: str) -> LocalSession:
         return LocalSession()
@@ -174,7 +180,10 @@ class StoreComm:
         self.namespace = namespace
         self._seq = 0
         self._lock = threading.Lock()
-        self._idle_clients = idle_clients_of(store)
+        job = job_of(store)
+        self._idle_clients = job.clients
+        self.plans = job.plans
+        """What this job's process remembers of save plans (:class:`PlanMemory`)."""
 
     @property
     def is_coordinator(self) -> bool:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from trainsnap import trace
 from trainsnap.engine.reader import Reader
-from trainsnap.errors import CommitFailedError, TrainsnapError
+from trainsnap.errors import LoadFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
@@ -36,9 +35,6 @@ from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import targets
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
-
-log = logging.getLogger("trainsnap.save")
-load_log = logging.getLogger("trainsnap.load")
 
 
 def run_load(
@@ -70,7 +66,7 @@ def _resolved(storage: Storage, snapshot: str, _parts: list[None]) -> str:
 
 
 def _lost_coordinator(ranks: dict[int, str]) -> TrainsnapError:
-    return CommitFailedError("the coordinator could not resolve the snapshot", rank_errors=ranks)
+    return LoadFailedError("the coordinator could not resolve the snapshot", rank_errors=ranks)
 
 
 def _outcome(left_out: list[str], rank: int, results: list[_Loaded]) -> dict[int, str]:
@@ -209,7 +205,7 @@ def _load(
             raise
 
     def failure(ranks: dict[int, str]) -> TrainsnapError:
-        return CommitFailedError(
+        return LoadFailedError(
             f"loading snapshot {sid} failed on {len(ranks)} rank(s); the state of every rank "
             "is unusable until a load succeeds",
             snapshot_id=sid,

@@ -3,16 +3,12 @@ error."""
 
 from __future__ import annotations
 
-import logging
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainsnap import errors
 from trainsnap.errors import TrainsnapError
-
-log = logging.getLogger("trainsnap.save")
-load_log = logging.getLogger("trainsnap.load")
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import hashlib
 import heapq
 import json
 import pickle
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,6 +158,45 @@ class _Uniques:
         """True when every holder gave a content digest and they do not all agree."""
         digests = {self.blobs[b][i][5] for b, i in self.sources(uid)}
         return None not in digests and len(digests) > 1
+
+
+Channel = tuple[str, int, int, int]
+"""Whose plans: (storage URL, world size, coordinator, rank; -1 for the coordinator's plan)."""
+
+
+class PlanMemory:
+    """What a process remembers of its job's save plans, kept from one save to the next by the
+    job's control plane (:attr:`~trainsnap.protocol.control_plane.StoreComm.plans`): the layout
+    each rank last had accepted (it then sends only a digest) and the coordinator's last full
+    plans (a few roots at most). Also how the coordinator planned, for tests and benchmarks.
+    Forgetting either is always safe: the next save sends, or plans, in full."""
+
+    MAX_PLANS = 4
+
+    def __init__(self) -> None:
+        self.sent: dict[Channel, bytes] = {}
+        self.plans: OrderedDict[Channel, PlanCache] = OrderedDict()
+        self.counts = {"full": 0, "reused": 0, "digests_received": 0}
+
+    def forget_sent(self) -> None:
+        """What a restarted rank remembers: the next save sends its layout in full."""
+        self.sent.clear()
+
+    def forget_plans(self) -> None:
+        """What a restarted coordinator remembers: a digest it then receives refuses that save,
+        and the next one is planned in full."""
+        self.plans.clear()
+
+    def keep(self, channel: Channel, cache: PlanCache | None, *, reused: bool) -> None:
+        """(coordinator) The plan to reuse on ``channel`` next time (none: forget it)."""
+        if cache is None:
+            self.plans.pop(channel, None)
+            return
+        self.counts["reused" if reused else "full"] += 1
+        self.plans[channel] = cache
+        self.plans.move_to_end(channel)
+        while len(self.plans) > self.MAX_PLANS:
+            self.plans.popitem(last=False)
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import Targets, TensorItem, ValueTarget
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.load")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

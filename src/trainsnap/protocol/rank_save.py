@@ -30,7 +30,7 @@ from trainsnap.protocol.planner import GLOBAL, Assignment, Entry, RankMeta, Valu
 from trainsnap.state.capture import Captured, TensorItem, capture
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.save")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, kw_only=True)

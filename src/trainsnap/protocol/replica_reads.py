@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from trainsnap import faults, tunables
-from trainsnap.errors import CommitFailedError
+from trainsnap.errors import LoadFailedError
 
-log = logging.getLogger("trainsnap.load")
+log = logging.getLogger(__name__)
 
 _GROUP: dict[str, Any] = {}
 """The checkpoint-data process group, made once per default process group."""
@@ -167,7 +167,7 @@ def start(group: Replicas, failure: BaseException | None) -> None:
     if failure is not None:
         raise failure
     if failed:
-        raise CommitFailedError(
+        raise LoadFailedError(
             f"{len(failed)} replica(s) of this rank could not plan their share of the snapshot's "
             "reads (their own errors say why)",
             rank_errors=failed,
@@ -260,7 +260,7 @@ class Exchange:
             if status.item()
         }
         if failed:
-            raise CommitFailedError(
+            raise LoadFailedError(
                 f"{len(failed)} replica(s) of this rank could not read their share of the snapshot "
                 "(their own errors say why)",
                 rank_errors=failed,
@@ -294,7 +294,7 @@ def _wait(ops: list[tuple[int, Any]], what: str) -> None:
             work.wait()
         except Exception as e:  # gloo raises RuntimeError subclasses for a lost peer
             forget_group()
-            raise CommitFailedError(
+            raise LoadFailedError(
                 f"the replicas' exchange of {what} with rank {peer} failed: {e} (the rank died, "
                 "hung or is unreachable)",
                 rank_errors={peer: f"lost during the replicas' exchange of {what}: {e}"},

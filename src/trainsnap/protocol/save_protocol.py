@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from trainsnap import trace, tunables
@@ -36,11 +36,12 @@ from trainsnap.format.checksums import Hasher
 from trainsnap.format.manifest import Manifest
 from trainsnap.protocol import commit, write_reports
 from trainsnap.protocol.assemble import assemble
+from trainsnap.protocol.collective import all_reduce, reduce_scatter
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 from trainsnap.protocol.outcome import Outcome, describe_error
 from trainsnap.protocol.planner import (
     Assignment,
-    PlanCache,
+    Channel,
     RankMeta,
     SavePlan,
     layout_digest,
@@ -52,7 +53,6 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger("trainsnap.save")
-load_log = logging.getLogger("trainsnap.load")
 
 
 def _refusal(problems: list[str]) -> TrainsnapError:
@@ -147,75 +147,76 @@ def _agree(
     t0: float,
 ) -> PendingSave:
     # 1. (all ranks) describe
-    local: Local | None = None
     with trace.span("capture", step=opts.step):
-        try:
-            local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
-            meta = _rank_meta(local, storage, comm, opts.step) if comm.world_size > 1 else None
-            mesh = local.captured.mesh
-        except TrainsnapError as e:
-            if comm.world_size == 1:
-                raise
-            meta, mesh = RankMeta(comm.rank, opts.step, error=describe_error(e)), {}
-    # 2. (coordinator) plan
+        local, meta, mesh = _capture(state, storage, opts, comm, hasher)
+    # 2. (coordinator) plan; (all ranks) each its assignment
     with trace.span("plan", step=opts.step):
         sid = commit.new_snapshot_id(opts.step)
-        if comm.world_size == 1:
-            assert local is not None
-            single = plan_local(local.entries, local.values, opts.step, sid, local.captured.tree)
-            if single.problems:
-                raise _refusal(single.problems)
-            return PendingSave(
-                storage,
-                opts,
-                comm,
-                session,
-                hasher,
-                local,
-                single.assignments[0],
-                single.metas,
-                single,
-                mesh,
-                t0,
-            )
-        metas = session.gather("meta", meta)
-        assignments: list[Assignment] | None = None
-        plan: SavePlan | None = None
-        if comm.is_coordinator:
-            assert metas is not None
-            try:
-                plan = _coordinator_plan(metas, sid, storage, comm)
-            except Exception as e:  # a planner bug must not leave the other ranks waiting
-                log.exception("planning snapshot %s failed", sid)
-                why = [f"planner: {describe_error(e)}"]
-                plan = SavePlan([Assignment(problems=why) for _ in metas], [], {})
-            assignments = plan.assignments
-            if plan.metas:
-                metas = plan.metas  # in full, where ranks sent only a digest
-        assignment: Assignment = session.scatter("plan", assignments)
+        planned: list[tuple[SavePlan, list[RankMeta]]] = []
+
+        def plan(metas: list[Any]) -> list[Assignment]:  # RankMeta, by rank; [None] alone
+            if comm.world_size == 1:
+                assert local is not None
+                made = plan_local(local.entries, local.values, opts.step, sid, local.captured.tree)
+            else:
+                made = _planned(metas, sid, storage, comm)
+            planned.append((made, made.metas or metas))  # in full, where ranks sent a digest
+            return made.assignments
+
+        lost = partial(_not_planned, opts.step)
+        assignment: Assignment = reduce_scatter(comm, session, "meta", lambda: meta, plan, lost)
     channel = _channel(storage, comm, comm.rank)
     if assignment.problems:
-        _SENT.pop(channel, None)  # the next save sends the layout in full
+        comm.plans.sent.pop(channel, None)  # the next save sends the layout in full
         raise _refusal(assignment.problems)
-    assert local is not None and meta is not None
-    _SENT[channel] = meta.layout
+    assert local is not None
+    if meta is not None:
+        comm.plans.sent[channel] = meta.layout
+    whole, metas = planned[0] if planned else (None, None)
     return PendingSave(
-        storage, opts, comm, session, hasher, local, assignment, metas, plan, mesh, t0
+        storage, opts, comm, session, hasher, local, assignment, metas, whole, mesh, t0
+    )
+
+
+def _capture(
+    state: Any, storage: Storage, opts: SaveRequest, comm: Comm, hasher: Hasher
+) -> tuple[Local | None, RankMeta | None, dict[str, int]]:
+    """Step 1 (all ranks): the rank's state and what the planner is sent of it (nothing in a
+    world of one). A rank that cannot describe its state tells the planner why, which makes it
+    one of the refusal's problems on every rank; alone, it raises its error as it is."""
+    try:
+        local = describe(state, opts, hasher, replica_digests=comm.world_size > 1)
+        meta = _rank_meta(local, storage, comm, opts.step) if comm.world_size > 1 else None
+    except TrainsnapError as e:
+        if comm.world_size == 1:
+            raise
+        return None, RankMeta(comm.rank, opts.step, error=describe_error(e)), {}
+    return local, meta, local.captured.mesh
+
+
+def _planned(metas: list[RankMeta], sid: str, storage: Storage, comm: Comm) -> SavePlan:
+    """Step 2 (coordinator) of a world of more than one: a planner bug must not leave the other
+    ranks waiting, so it is every rank's refusal."""
+    try:
+        return _coordinator_plan(metas, sid, storage, comm)
+    except Exception as e:
+        log.exception("planning snapshot %s failed", sid)
+        why = [f"planner: {describe_error(e)}"]
+        return SavePlan([Assignment(problems=why) for _ in metas], [], {})
+
+
+def _not_planned(step: int, ranks: dict[int, str]) -> TrainsnapError:
+    return PeerLost(
+        f"save of step {step} was not planned: {len(ranks)} rank(s) did not describe their "
+        "state; nothing was written",
+        ranks,
     )
 
 
 # -- cached plans ---------------------------------------------------------------------------------
 
-_SENT: dict[tuple[str, int, int, int], bytes] = {}
-"""The layout each rank last had accepted, by channel (root, world size, coordinator, rank)."""
-_PLANS: OrderedDict[tuple[str, int, int, int], PlanCache] = OrderedDict()
-"""The coordinator's last full plan per channel (a few roots at most)."""
-_MAX_PLANS = 4
-PLAN_COUNTS = {"full": 0, "reused": 0, "digests_received": 0}
-"""How the coordinator planned (for tests and benchmarks)."""
 
-
-def _channel(storage: Storage, comm: Comm, rank: int) -> tuple[str, int, int, int]:
+def _channel(storage: Storage, comm: Comm, rank: int) -> Channel:
     return (storage.url, comm.world_size, comm.coordinator, rank)
 
 
@@ -223,24 +224,17 @@ def _rank_meta(local: Local, storage: Storage, comm: Comm, step: int) -> RankMet
     """This rank's description; only a digest of it when its layout is the one it last sent."""
     meta = local.meta(comm.rank, step)
     meta.layout = layout_digest(meta)
-    if _SENT.get(_channel(storage, comm, comm.rank)) == meta.layout:
+    if comm.plans.sent.get(_channel(storage, comm, comm.rank)) == meta.layout:
         return RankMeta(comm.rank, step, [], meta.values, layout=meta.layout, cached=True)
     return meta
 
 
 def _coordinator_plan(metas: list[RankMeta], sid: str, storage: Storage, comm: Comm) -> SavePlan:
-    channel = _channel(storage, comm, -1)
-    cache = _PLANS.get(channel)
+    channel, memory = _channel(storage, comm, -1), comm.plans
+    cache = memory.plans.get(channel)
     plan, kept = plan_cached(metas, sid, cache)
-    PLAN_COUNTS["digests_received"] += sum(m.cached for m in metas)
-    if kept is None:
-        _PLANS.pop(channel, None)
-    else:
-        PLAN_COUNTS["reused" if kept is cache else "full"] += 1
-        _PLANS[channel] = kept
-        _PLANS.move_to_end(channel)
-        while len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
+    memory.counts["digests_received"] += sum(m.cached for m in metas)
+    memory.keep(channel, kept, reused=kept is not None and kept is cache)
     return plan
 
 
@@ -284,78 +278,18 @@ def _finish(pending: PendingSave) -> SaveResult:
         pending.lease.wait_copies()
     # 3. (all ranks) write
     with trace.span("write", step=opts.step) as ev:
-        try:
-            report = write_assigned(
-                pending.storage, pending.hasher, pending.local, pending.assignment
-            )
-            ev["bytes"] = report.bytes_new
-        except Exception as e:  # reported to the coordinator, raised everywhere below
-            if comm.world_size == 1:
-                raise CommitFailedError(
-                    f"save of step {opts.step} failed while writing: {describe_error(e)}; "
-                    "nothing was committed",
-                    snapshot_id=sid,
-                    rank_errors={0: describe_error(e)},
-                ) from e
-            report = WriteReport(error=describe_error(e))
-    # 4. (coordinator) gather reports, commit
+        report = _write(pending)
+        ev["bytes"] = report.bytes_new
+    # 4. (coordinator) gather reports, commit; 5. (all ranks) learn the outcome
     with trace.span("commit", step=opts.step):
-        outcome = Outcome(snapshot_id=sid)
-        manifest = None
-        if comm.is_coordinator:
-            assert pending.metas is not None and pending.plan is not None
-            manifest, outcome, stored = _commit(
-                pending.storage,
-                opts,
-                pending.hasher,
-                pending.session,
-                pending.metas,
-                pending.plan,
-                report,
-                pending.mesh,
-                comm,
-            )
-            pending.session.broadcast("outcome", outcome)
-            if comm.world_size > 1:
-                write_reports.discard(pending.storage, sid, stored, committed=outcome.ok)
-        else:
-            try:
-                sent = write_reports.outgoing(pending.storage, sid, comm.rank, report)
-                pending.session.gather("report", sent)
-                outcome = pending.session.broadcast("outcome")
-            except PeerLost as e:
-                outcome = _outcome_without_coordinator(pending.storage, sid, e)
-    # 5. (all ranks) learn the outcome
+        manifest, outcome = _report_and_commit(pending, report)
     if not outcome.ok:
-        raise CommitFailedError(
-            f"save of step {opts.step} (snapshot {sid}) was not committed: "
-            f"{len(outcome.rank_errors)} rank(s) failed; the previous snapshots are untouched",
-            snapshot_id=sid,
-            rank_errors=outcome.rank_errors,
-        )
+        raise _not_committed(opts.step, sid, outcome.rank_errors)
     dt = time.perf_counter() - pending.t0
     # Phases, each measured from the same clock readings: wait + pause + drain == seconds.
     pause = min(pending.pause, dt) if pending.lease is not None else dt
     if comm.is_coordinator:
-        s = outcome.manifest_summary
-        referenced, new = int(s["nbytes"]), int(s["bytes_new"])
-        log.info(
-            "saved snapshot %s step=%d bytes=%d written=%d reused=%d dedup=%.1f%% ranks=%d "
-            "wait=%.3f pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
-            sid,
-            opts.step,
-            referenced,
-            new,
-            referenced - new,
-            100.0 * (referenced - new) / max(referenced, 1),
-            comm.world_size,
-            pending.waited,
-            pause,
-            dt - pause,
-            pending.waited + dt,
-            referenced / max(dt, 1e-9) / 1e6,
-            pending.storage.url,
-        )
+        _log_saved(pending, outcome, pause, dt)
     if manifest is not None and opts.on_commit is not None:
         try:
             opts.on_commit(manifest, int(outcome.manifest_summary.get("bytes_new", 0)))
@@ -364,42 +298,115 @@ def _finish(pending: PendingSave) -> SaveResult:
     return SaveResult(manifest, outcome, report.bytes_new, dt, pause)
 
 
-def _commit(
-    storage: Storage,
-    opts: SaveRequest,
-    hasher: Hasher,
-    session: Session,
-    metas: list[RankMeta],
-    plan: SavePlan,
-    report: WriteReport,
-    mesh: dict[str, int],
-    comm: Comm,
-) -> tuple[Manifest | None, Outcome, list[str]]:
-    """Step 4 (coordinator): every report in, or no commit. Also the keys of the reports
-    read from storage."""
-    sid = plan.assignments[0].snapshot_id
+def _write(pending: PendingSave) -> WriteReport:
+    """Step 3 (all ranks): this rank's report, or its error to report (raised as the save's
+    failure in a world of one)."""
     try:
-        # The coordinator's own report stays here: it sends nothing.
-        messages = session.gather("report", None) or []
+        return write_assigned(pending.storage, pending.hasher, pending.local, pending.assignment)
+    except Exception as e:  # reported to the coordinator, raised everywhere after step 4
+        if pending.comm.world_size == 1:
+            raise CommitFailedError(
+                f"save of step {pending.opts.step} failed while writing: {describe_error(e)}; "
+                "nothing was committed",
+                snapshot_id=pending.snapshot_id,
+                rank_errors={0: describe_error(e)},
+            ) from e
+        return WriteReport(error=describe_error(e))
+
+
+def _report_and_commit(
+    pending: PendingSave, report: WriteReport
+) -> tuple[Manifest | None, Outcome]:
+    """Steps 4 and 5: every rank's report to the coordinator, which commits or not; the outcome
+    on every rank. A rank lost meanwhile is a failed rank; the coordinator lost after the
+    reports were sent leaves its marker to say whether it committed."""
+    comm, storage, sid = pending.comm, pending.storage, pending.snapshot_id
+    committed: list[Manifest | None] = [None]
+    stored: list[str] = []
+
+    def send() -> Any:  # the coordinator's own report stays here: it sends nothing
+        return (
+            None if comm.is_coordinator else write_reports.outgoing(storage, sid, comm.rank, report)
+        )
+
+    def commit_all(messages: list[Any]) -> Outcome:
+        reports, read = write_reports.incoming(storage, sid, messages, comm.rank, report)
+        stored.extend(read)
+        committed[0], outcome = _commit(pending, reports)
+        return outcome
+
+    failed = partial(_not_committed, pending.opts.step, sid)
+    try:
+        outcome: Outcome = all_reduce(comm, pending.session, "report", send, commit_all, failed)
     except PeerLost as e:
-        return None, Outcome(sid, rank_errors=e.ranks), []
-    reports, stored = write_reports.incoming(storage, sid, messages, comm.rank, report)
+        if comm.is_coordinator:
+            outcome = Outcome(sid, rank_errors=e.ranks)
+        else:
+            outcome = _outcome_without_coordinator(storage, sid, e)
+    if comm.is_coordinator and comm.world_size > 1:
+        write_reports.discard(storage, sid, stored, committed=outcome.ok)
+    return committed[0], outcome
+
+
+def _not_committed(step: int, sid: str, rank_errors: dict[int, str]) -> TrainsnapError:
+    return CommitFailedError(
+        f"save of step {step} (snapshot {sid}) was not committed: "
+        f"{len(rank_errors)} rank(s) failed; the previous snapshots are untouched",
+        snapshot_id=sid,
+        rank_errors=rank_errors,
+    )
+
+
+def _log_saved(pending: PendingSave, outcome: Outcome, pause: float, dt: float) -> None:
+    s = outcome.manifest_summary
+    referenced, new = int(s["nbytes"]), int(s["bytes_new"])
+    log.info(
+        "saved snapshot %s step=%d bytes=%d written=%d reused=%d dedup=%.1f%% ranks=%d "
+        "wait=%.3f pause=%.3f drain=%.3f seconds=%.3f MBps=%.1f root=%s",
+        pending.snapshot_id,
+        pending.opts.step,
+        referenced,
+        new,
+        referenced - new,
+        100.0 * (referenced - new) / max(referenced, 1),
+        pending.comm.world_size,
+        pending.waited,
+        pause,
+        dt - pause,
+        pending.waited + dt,
+        referenced / max(dt, 1e-9) / 1e6,
+        pending.storage.url,
+    )
+
+
+def _commit(pending: PendingSave, reports: list[WriteReport]) -> tuple[Manifest | None, Outcome]:
+    """Step 4 (coordinator): every report in, or no commit."""
+    comm, sid = pending.comm, pending.snapshot_id
     errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if errors:
-        return None, Outcome(sid, rank_errors=errors), stored
-    topology = {"world_size": comm.world_size, "coordinator": comm.coordinator, "mesh": mesh}
+        return None, Outcome(sid, rank_errors=errors)
+    assert pending.metas is not None and pending.plan is not None
+    topology = {
+        "world_size": comm.world_size,
+        "coordinator": comm.coordinator,
+        "mesh": pending.mesh,
+    }
     try:
-        manifest = assemble(sid, opts, hasher, metas, plan, reports, topology)
+        manifest = assemble(
+            sid, pending.opts, pending.hasher, pending.metas, pending.plan, reports, topology
+        )
         commit.write_commit(
-            storage, manifest, writer={"world_size": comm.world_size}, fence=opts.fence
+            pending.storage,
+            manifest,
+            writer={"world_size": comm.world_size},
+            fence=pending.opts.fence,
         )
     except Exception as e:
         log.exception("commit of snapshot %s failed", sid)
-        failed = Outcome(sid, rank_errors={comm.rank: f"commit: {describe_error(e)}"})
-        return None, failed, stored
+        return None, Outcome(sid, rank_errors={comm.rank: f"commit: {describe_error(e)}"})
     new = sum(r.bytes_new for r in reports)
     summary = {**manifest.summary(), "bytes_new": new}
-    return manifest, Outcome(sid, manifest_summary=summary), stored
+    return manifest, Outcome(sid, manifest_summary=summary)
 
 
 def _outcome_without_coordinator(storage: Storage, sid: str, error: PeerLost) -> Outcome:

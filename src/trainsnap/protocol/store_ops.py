@@ -10,24 +10,35 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from trainsnap.protocol.planner import PlanMemory
+
 log = logging.getLogger(__name__)
 
 ABSENT = b"\x00absent"
 """``compare_set``'s answer for a key that does not exist."""
 
-_CLIENTS: dict[tuple[int, int], tuple[Any, dict[str, list[Any]]]] = {}
+_JOBS: dict[tuple[int, int], tuple[Any, Job]] = {}
 CLIENTS_LOCK = threading.Lock()
 
 
-def idle_clients_of(store: Any) -> dict[str, list[Any]]:
-    """The idle clients of ``store`` in this process, by kind (see ``StoreComm._kind``). Keyed
-    by process, so that a forked child never shares its parent's connections, and holding
-    ``store`` itself, so that its id is not reused for another store."""
+class Job:
+    """What this process keeps for one job (one store) between sessions: its idle store
+    clients, by kind (see ``StoreComm._kind``), and what it remembers of save plans."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, list[Any]] = {}
+        self.plans = PlanMemory()
+
+
+def job_of(store: Any) -> Job:
+    """This process's :class:`Job` of ``store``. Keyed by process, so that a forked child never
+    shares its parent's connections, and holding ``store`` itself, so that its id is not reused
+    for another store."""
     key = (os.getpid(), id(store))
     with CLIENTS_LOCK:
-        entry = _CLIENTS.get(key)
+        entry = _JOBS.get(key)
         if entry is None or entry[0] is not store:
-            entry = _CLIENTS[key] = (store, {})
+            entry = _JOBS[key] = (store, Job())
         return entry[1]
 
 

@@ -38,7 +38,7 @@ from trainsnap.errors import CorruptError
 from trainsnap.protocol.rank_save import Chunks, WriteReport
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.save")
+log = logging.getLogger(__name__)
 
 MAGIC: Final = b"\x89TSRPT1\n"
 _HEAD: Final = struct.Struct("<8sQ")  # magic, header length
