@@ -103,18 +103,20 @@ def test_a_shard_loads_from_a_snapshot_of_another_layout(tmp_path: Path) -> None
 
 
 def test_one_process_holding_every_shard_saves_the_whole_tensor(tmp_path: Path) -> None:
-    buffer = torch.full((ROWS + 2, COLS), -1.0)  # a padding row on either side
-    buffer[1:-1] = _full()
+    buffer = torch.full((ROWS, COLS + 2), -1.0)  # a padding column on either side
+    buffer[:, 1:-1] = _full()
     state: dict[str, Any] = {
         "w": checkpointable(
             buffer,
             global_shape=(ROWS, COLS),
             global_offsets=((0, 0),),
-            local_offsets=((1, 0),),
+            local_offsets=((0, 1),),
             local_sizes=((ROWS, COLS),),
         )
     }
     ts.save(state, tmp_path, step=1)
+    assert torch.equal(ts.read(tmp_path)["w"], _full())
+    ts.async_save(state, tmp_path, step=2).wait()  # staged from the strided view
     assert torch.equal(ts.read(tmp_path)["w"], _full())
     restored = {"w": torch.zeros(ROWS, COLS)}
     ts.load(restored, tmp_path)
