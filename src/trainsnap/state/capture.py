@@ -209,6 +209,8 @@ def leaf_item(key: str, leaf: torch.Tensor | Sharded, boxes: DTensorBoxes) -> Te
 def _leaf_tensor(key: str, tensor: torch.Tensor, boxes: DTensorBoxes) -> TensorItem:
     if _is_dtensor(tensor):
         return boxes.item(key, tensor)
+    if hasattr(tensor, "global_offsets") and _is_checkpointable(tensor):
+        return _checkpointable_item(key, tensor)
     shape = tuple(tensor.shape)
     return TensorItem(key, tensor, shape, Box.full(shape))
 
@@ -225,6 +227,68 @@ def _dtensor_type() -> type | None:
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     cls = _dtensor_type()
     return cls is not None and isinstance(tensor, cls)
+
+
+@cache
+def _checkpointable_type() -> type | None:
+    try:
+        from torch.distributed import checkpoint
+    except ImportError:  # torch.distributed not built in
+        return None
+    protocol = getattr(checkpoint, "CheckpointableTensor", None)  # torch 2.14+
+    return protocol if isinstance(protocol, type) else None
+
+
+def _is_checkpointable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries DCP's ``CheckpointableTensor`` fields, on a torch that defines
+    them (2.14+; on older torch such attributes mean nothing and the tensor is a plain one)."""
+    cls = _checkpointable_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def _checkpointable_item(key: str, tensor: Any) -> TensorItem:
+    """The entry of a ``CheckpointableTensor``: a plain tensor whose one shard,
+    ``tensor[local_offsets : local_offsets + local_sizes]``, is the box at ``global_offsets``
+    of a logical tensor of ``global_shape`` -- what ``Sharded(shard, global_shape=...,
+    offsets=global_offsets)`` declares. Loading fills the shard in place (the rest of the
+    tensor, e.g. padding, is left as it is). Raises :class:`InvalidArgumentError` (naming the
+    key) for more or fewer than one shard and for fields that do not fit. O(dimensions)."""
+    fields = (tensor.global_offsets, tensor.local_offsets, tensor.local_sizes)
+    if any(len(field) != 1 for field in fields):
+        raise InvalidArgumentError(
+            f"{key!r}: CheckpointableTensor with {len(tensor.global_offsets)} shards (and "
+            f"{len(tensor.local_offsets)} local offsets, {len(tensor.local_sizes)} local sizes); "
+            "trainsnap takes one box of a tensor per rank: give this rank's piece as one shard "
+            "(or as ts.Sharded, or a DTensor)",
+            key=key,
+        )
+    global_shape = tuple(int(n) for n in tensor.global_shape)
+    offsets, local_offsets, sizes = (tuple(int(n) for n in field[0]) for field in fields)
+    local_shape = tuple(tensor.shape)
+    for start, shape, where in (
+        (offsets, global_shape, "global shape"),
+        (local_offsets, local_shape, "local tensor"),
+    ):
+        if len(start) != len(shape) or len(sizes) != len(shape):
+            raise InvalidArgumentError(
+                f"{key!r}: CheckpointableTensor shard at {start} of size {sizes} does not have "
+                f"the {len(shape)} dimensions of the {where} {shape}; give global_offsets, "
+                "local_offsets and local_sizes one entry per dimension",
+                key=key,
+            )
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(start, sizes, shape, strict=True)):
+            raise InvalidArgumentError(
+                f"{key!r}: CheckpointableTensor shard at {start} of size {sizes} lies outside "
+                f"the {where} {shape}; fix its global_offsets, local_offsets or local_sizes",
+                key=key,
+            )
+    local = tensor
+    if local_shape != sizes:
+        # The shard as a view: loading fills it in place (no autograd view of a parameter).
+        index = tuple(slice(o, o + n) for o, n in zip(local_offsets, sizes, strict=True))
+        with torch.no_grad():
+            local = tensor[index]
+    return TensorItem(key, local, global_shape, Box(offsets, sizes), declared=True)
 
 
 _Layout = tuple[int, tuple[int, ...], tuple[Any, ...]]
