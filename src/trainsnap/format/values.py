@@ -21,7 +21,7 @@ import pathlib
 import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -216,7 +216,7 @@ _NOT_SCALAR: Final = object()
 
 def _body(tag: str, body: Any, kind: type | tuple[type, ...], size: int | None = None) -> Any:
     """``body`` when it is a ``kind`` (of ``size`` items); ValueError naming the tag else."""
-    if not isinstance(body, kind) or (size is not None and len(body) != size):
+    if not isinstance(body, kind) or (size is not None and len(cast(list[Any], body)) != size):
         want = f"{size} items" if size is not None else getattr(kind, "__name__", str(kind))
         raise ValueError(f"{tag} holds {type(body).__name__} {str(body)[:40]}, not {want}")
     return body
@@ -259,8 +259,10 @@ def _dec_scalar(tag: str, body: Any) -> Any:
             pure = pathlib.PureWindowsPath if "Windows" in cls_name else pathlib.PurePosixPath
             return pure(text)
     if tag in ("$datetime", "$date", "$time"):
-        kind = {"$datetime": dt.datetime, "$date": dt.date, "$time": dt.time}[tag]
-        return kind.fromisoformat(_body(tag, body, str))
+        text = _body(tag, body, str)
+        if tag == "$datetime":
+            return dt.datetime.fromisoformat(text)
+        return dt.date.fromisoformat(text) if tag == "$date" else dt.time.fromisoformat(text)
     if tag == "$timedelta":
         days, seconds, micro = _body(tag, body, list, 3)
         return dt.timedelta(
