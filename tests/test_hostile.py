@@ -1004,3 +1004,39 @@ def test_the_peak_memory_table(probe: Probe, capsys: pytest.CaptureFixture[str])
 
 if __name__ == "__main__":
     _probe_main(*sys.argv[1:])
+
+
+# -- export: exclusive creation, random temporary names, nothing left after a failure -----------
+
+
+def test_export_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path: Path) -> None:
+    """Export opened ``.<name>.tmp-<pid>`` with open(..., "wb"): a link planted at that name
+    (the pid is easy to guess) made it overwrite the file the link points to."""
+    from trainsnap.tools.export import export_safetensors
+
+    sid = ts.save({"model.w": torch.ones(4)}, tmp_path / "root", step=1).id
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.write_bytes(b"precious")
+    (out / f".model.safetensors.tmp-{os.getpid()}").symlink_to(victim)
+    export_safetensors(tmp_path / "root", sid, out)
+    assert victim.read_bytes() == b"precious"
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors").is_symlink()
+
+
+def test_a_failed_export_removes_what_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainsnap.tools import export
+
+    sid = ts.save({"model.w": torch.ones(4), "model.v": torch.ones(3)}, tmp_path / "r", step=1).id
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "_stream_tensor", failing)
+    with pytest.raises(OSError):
+        export.export_safetensors(tmp_path / "r", sid, tmp_path / "new" / "out")
+    assert calls and not (tmp_path / "new").exists()
