@@ -44,6 +44,8 @@ MEMORY_HEADROOM: Final = 1 << 30
 SECONDS_PER_INPUT: Final = 10.0
 """Most one input may take (generous: the machine is shared; a decoder driven by a number in
 its input takes minutes)."""
+pytestmark = pytest.mark.timeout(300 + EXAMPLES)  # the long form: about a second per input
+
 DECODERS: Final = (
     "manifest",
     "manifest-fields",
