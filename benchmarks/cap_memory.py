@@ -1,8 +1,8 @@
 """Peak memory of the readers on a root whose files are each at their size cap.
 
 One snapshot whose manifest is as large as a reader accepts (``encoding.MAX_MANIFEST``): one
-int8 tensor stored as one chunk per byte, so the chunk table fills the manifest while the
-snapshot stays valid and readable; its marker padded to ``MAX_MARKER_BYTES``. Then ``ts.read``,
+int8 tensor stored as flat shards of 8 bytes, so the shard and chunk tables fill the manifest
+while the snapshot stays valid and readable; its marker padded to ``MAX_MARKER_BYTES``. Then ``ts.read``,
 ``trainsnap verify`` and ``trainsnap gc --dry-run`` each run in a fresh process and report their
 peak RSS (``ru_maxrss`` of the child) and seconds.
 
@@ -23,36 +23,47 @@ from pathlib import Path
 
 import numpy as np
 
-CHUNK_ROW = 24
-"""Bytes one chunk takes in the manifest (object, offset, length: three int64)."""
+SHARD_ROW = 56
+"""Bytes one flat shard of one chunk takes in the manifest: kind, start, length, chunk count,
+and its chunk (object, offset, length), each an int64."""
+SHARD_BYTES = 8
+"""Bytes of each shard: as few as a valid manifest allows rows for (``validation.MIN_CHUNK``
+bounds chunks per byte, not shards)."""
 
 
-def build(root: Path, nchunks: int) -> str:
-    """A root with one committed snapshot whose tensor of ``nchunks`` int8 elements is stored
-    one byte per chunk; its marker padded to the marker cap."""
+def build(root: Path, nshards: int) -> str:
+    """A root with one committed snapshot of one int8 tensor of ``nshards * SHARD_BYTES``
+    elements saved as ``nshards`` flat shards of one chunk each; its marker padded to the
+    marker cap."""
     import torch
 
     import trainsnap as ts
-    from trainsnap.format.manifest import marker_key
+    from trainsnap.format.manifest import FLAT, marker_key
     from trainsnap.format.marker import MAX_MARKER_BYTES
     from trainsnap.protocol import commit
     from trainsnap.storage import open_storage
 
-    data = torch.arange(nchunks, dtype=torch.int64).remainder(127).to(torch.int8)
+    numel = nshards * SHARD_BYTES
+    data = torch.arange(numel, dtype=torch.int64).remainder(127).to(torch.int8)
     sid = ts.save({"w": data}, root, step=1).id
     storage = open_storage(root)
     manifest = commit.open_snapshot(storage, sid)
-    n = manifest.chunk_length.sum()
-    assert int(n) == nchunks and len(manifest.chunk_object) >= 1
     objects, offsets = [], []
     for row in range(len(manifest.chunk_object)):
         start, length = int(manifest.chunk_offset[row]), int(manifest.chunk_length[row])
-        objects.append(np.full(length, manifest.chunk_object[row], np.int64))
-        offsets.append(np.arange(start, start + length, dtype=np.int64))
+        assert length % SHARD_BYTES == 0
+        objects.append(np.full(length // SHARD_BYTES, manifest.chunk_object[row], np.int64))
+        offsets.append(np.arange(start, start + length, SHARD_BYTES, dtype=np.int64))
     manifest.chunk_object = np.concatenate(objects)
     manifest.chunk_offset = np.concatenate(offsets)
-    manifest.chunk_length = np.ones(nchunks, np.int64)
-    manifest.shard_nchunks = np.array([nchunks], np.int64)
+    manifest.chunk_length = np.full(nshards, SHARD_BYTES, np.int64)
+    manifest.tensor_nshards = np.array([nshards], np.int64)
+    manifest.shard_kind = np.full(nshards, FLAT, np.int64)
+    geo = np.empty((nshards, 2), np.int64)
+    geo[:, 0] = np.arange(0, numel, SHARD_BYTES)
+    geo[:, 1] = SHARD_BYTES
+    manifest.shard_geo = geo.reshape(-1)
+    manifest.shard_nchunks = np.ones(nshards, np.int64)
     manifest._derived.clear()
     storage.delete(marker_key(sid))
     commit.write_commit(storage, manifest, writer={})
@@ -73,13 +84,13 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=1.0, help="of the cap, e.g. 0.1")
     parser.add_argument("--tools", default="ts.read,verify,gc", help="which to run")
     args = parser.parse_args()
-    nchunks = (MAX_MANIFEST - (1 << 20)) // CHUNK_ROW
-    nchunks = int(nchunks * (0.001 if args.smoke else args.fraction))
+    nshards = (MAX_MANIFEST - (1 << 20)) // SHARD_ROW
+    nshards = int(nshards * (0.001 if args.smoke else args.fraction))
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         root = Path(scratch, "root")
-        sid = build(root, nchunks)
+        sid = build(root, nshards)
         size = sum(p.stat().st_size for p in (root / "snapshots" / sid).iterdir())
-        print(f"snapshot {sid}: manifest and marker {size / 2**20:.1f} MiB, {nchunks} chunks")
+        print(f"snapshot {sid}: manifest and marker {size / 2**20:.1f} MiB, {nshards} shards")
         python = [sys.executable, "-c"]
         tools = {
             "ts.read": [*python, f"import trainsnap as ts; ts.read({str(root)!r}, {sid!r})"],

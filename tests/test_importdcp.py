@@ -329,3 +329,16 @@ def test_an_item_range_past_its_file_is_refused_before_allocation(tmp_path: Path
     (src / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(ts.CorruptError, match="runs past the end"):
         import_dcp(src, tmp_path / "root")
+
+
+def test_metadata_lacking_a_required_field_is_refused_not_a_type_error() -> None:
+    """Found by the fuzz suite's long form: a Metadata record whose state misnames its one
+    required field reached the dataclass constructor (a raw TypeError)."""
+    import pickle
+
+    from trainsnap.integrations.dcp_metadata import decode_metadata
+
+    data = pickle.dumps(dcp.metadata.Metadata(state_dict_metadata={}), protocol=4)
+    damaged = data.replace(b"state_dict_metadata", b"rtate_dict_metadata")
+    with pytest.raises(ts.IncompatibleError, match="without the fields"):
+        decode_metadata(damaged)

@@ -401,7 +401,10 @@ class _Converter:
         for k, v in state.items():
             if k in check:  # fields a newer torch adds are left out, not trusted
                 kept[k] = check[k](v, f"{name}.{k}")
-        return cls(**kept)
+        try:
+            return cls(**kept)
+        except (TypeError, ValueError) as e:  # a required field missing
+            raise _Refused(f"{name} without the fields it needs ({e})") from None
 
 
 def _hashable(value: Any) -> Any:
