@@ -2,9 +2,9 @@
 
 One snapshot whose manifest is as large as a reader accepts (``encoding.MAX_MANIFEST``): one
 int8 tensor stored as flat shards of 8 bytes, so the shard and chunk tables fill the manifest
-while the snapshot stays valid and readable; its marker padded to ``MAX_MARKER_BYTES``. Then ``ts.read``,
-``trainsnap verify`` and ``trainsnap gc --dry-run`` each run in a fresh process and report their
-peak RSS (``ru_maxrss`` of the child) and seconds.
+while the snapshot stays valid and readable; its marker padded to ``MAX_MARKER_BYTES``. Then
+``ts.read``, ``trainsnap verify`` and ``trainsnap gc --dry-run`` each run in a fresh process and
+report their peak RSS (``ru_maxrss`` of the child) and seconds.
 
     python -m benchmarks.cap_memory [--smoke] [--dir DIR]
 
