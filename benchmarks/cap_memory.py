@@ -27,8 +27,7 @@ SHARD_ROW = 56
 """Bytes one flat shard of one chunk takes in the manifest: kind, start, length, chunk count,
 and its chunk (object, offset, length), each an int64."""
 SHARD_BYTES = 8
-"""Bytes of each shard: as few as a valid manifest allows rows for (``validation.MIN_CHUNK``
-bounds chunks per byte, not shards)."""
+"""Bytes of each shard: the rows, not the bytes, are what a reader's work grows with."""
 
 
 def build(root: Path, nshards: int) -> str:

@@ -43,9 +43,10 @@ def as_dict(value: object, what: str) -> dict[str, Any]:
 MAGIC: Final = b"\x89TSNAPM\n"
 """The first 8 bytes of a format-3 manifest (formats 1 and 2 are JSON: they start with ``{``)."""
 _HEAD: Final = struct.Struct("<8sQ")  # magic, header length
-MAX_MANIFEST: Final = 1 << 30
+MAX_MANIFEST: Final = 256 << 20
 """Largest manifest read (a marker recording a larger one is refused before it is read): a
-manifest of 10^5 tensors in 10^6 shards is about 100 MiB."""
+manifest of 10^6 shards is about 80 MiB, and a reader's memory grows with the rows (FORMAT.md
+§8 gives the peak at this cap)."""
 MAX_HEADER: Final = 64 << 20
 """Largest JSON part of a manifest (keys, tree, small tables); the large tables are binary."""
 

@@ -65,8 +65,6 @@ LIMIT = 1 << 62
 """Every size, offset, length and count of a manifest is below this, and so is every sum the
 validation forms, so that no int64 arithmetic on them can wrap (a crafted manifest would
 otherwise pass checks by overflow, or drive numpy past its buffers)."""
-MIN_CHUNK = 64
-"""Every chunk of a payload but its last holds at least this many bytes (the smallest block)."""
 MAX_NDIM = 64
 """Most dimensions a tensor may have (torch's own limit)."""
 
@@ -196,10 +194,6 @@ def _validate_tables(manifest: Manifest) -> list[str]:
         return ["a negative count in the tensor, shard or value table"]
     if int(manifest.shard_nchunks.sum()) + int(manifest.value_nchunks.sum()) != nc:
         return ["shards' and values' chunk counts do not add up to the chunk table"]
-    if nc > ns + nv + int(manifest.chunk_length.sum()) // MIN_CHUNK:
-        # A writer cuts a payload into chunks of at least a block (64 bytes or more) but its
-        # last; a reader's work grows with the rows, so rows beyond that are refused.
-        return [f"{nc} chunks for {int(manifest.chunk_length.sum())} bytes: chunks of a few bytes"]
     if nc:
         no = len(manifest.object_names)
         if int(manifest.chunk_object.min()) < 0 or int(manifest.chunk_object.max()) >= no:

@@ -218,7 +218,7 @@ def _body(tag: str, body: Any, kind: type | tuple[type, ...], size: int | None =
     """``body`` when it is a ``kind`` (of ``size`` items); ValueError naming the tag else."""
     if not isinstance(body, kind) or (size is not None and len(cast(list[Any], body)) != size):
         want = f"{size} items" if size is not None else getattr(kind, "__name__", str(kind))
-        raise ValueError(f"{tag} holds {type(body).__name__} {str(body)[:40]}, not {want}")
+        raise ValueError(f"{tag} holds a {type(body).__name__} ({str(body)[:40]}), not {want}")
     return body
 
 
