@@ -1004,3 +1004,173 @@ def test_the_peak_memory_table(probe: Probe, capsys: pytest.CaptureFixture[str])
 
 if __name__ == "__main__":
     _probe_main(*sys.argv[1:])
+
+
+# -- export: exclusive creation, random temporary names, nothing left after a failure -----------
+
+
+def test_export_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path: Path) -> None:
+    """Export opened ``.<name>.tmp-<pid>`` with open(..., "wb"): a link planted at that name
+    (the pid is easy to guess) made it overwrite the file the link points to."""
+    from trainsnap.tools.export import export_safetensors
+
+    sid = ts.save({"model.w": torch.ones(4)}, tmp_path / "root", step=1).id
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.write_bytes(b"precious")
+    (out / f".model.safetensors.tmp-{os.getpid()}").symlink_to(victim)
+    export_safetensors(tmp_path / "root", sid, out)
+    assert victim.read_bytes() == b"precious"
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors").is_symlink()
+
+
+def test_a_failed_export_removes_what_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainsnap.tools import export
+
+    sid = ts.save({"model.w": torch.ones(4), "model.v": torch.ones(3)}, tmp_path / "r", step=1).id
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "_stream_tensor", failing)
+    with pytest.raises(OSError):
+        export.export_safetensors(tmp_path / "r", sid, tmp_path / "new" / "out")
+    assert calls and not (tmp_path / "new").exists()
+
+
+# -- memory and time driven by numbers in the input, not by its size ---------------------------
+
+
+def test_the_tree_check_builds_no_path_longer_than_the_keys() -> None:
+    """The structure check built every leaf's full dotted path: 200 nested keys of 1,000
+    characters over 500 leaves made 100 MB of paths from a tree of 0.2 MB (a 1.2 MB manifest
+    reached 3.4 GB). It now joins a path only for a leaf no longer than the longest key."""
+    import tracemalloc
+
+    from trainsnap.format import tree
+
+    node: Any = {"d": [[f"k{i}", 0] for i in range(500)]}
+    for depth in range(200):
+        node = {"d": [["x" * 1000 + str(depth), node]]}
+    tracemalloc.start()
+    found = tree.problems(node, {"a", "b"})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert found and found[0].startswith("tree: ")
+    assert peak < 10 * 2**20, peak
+
+
+def test_a_per_rank_lookup_does_not_loop_over_the_claimed_world_size(tmp_path: Path) -> None:
+    """rank_scoped looked up (key, r) for every r below the manifest's world_size (up to 2^20),
+    for every key: minutes for a load of a few hundred keys."""
+    from trainsnap.protocol.rank_load import rank_scoped
+
+    sid = _hostile_root(tmp_path, lambda m: m.topology.update(world_size=(1 << 20) - 1))
+    manifest = commit.open_snapshot(open_storage(tmp_path), sid)
+    started = time.monotonic()
+    answers = {rank_scoped(manifest, key) for key in ["w", "b", "c", "missing"] * 50}
+    assert answers == {False}
+    assert time.monotonic() - started < 1.0
+
+
+def _tensor_of_2_40_elements(root: Path) -> str:
+    """One int64 tensor declaring 2^40 elements (8 TiB) in one object declaring 2^43 bytes at
+    block size 2^30: the manifest holds 8,192 digests and stays small."""
+    sid = ts.save({"c": torch.arange(5)}, root, step=3).id
+    storage = open_storage(root)
+    manifest = commit.open_snapshot(storage, sid)
+    size = 1 << 43
+    manifest.block_size = 1 << 30
+    manifest.tensor_shapes[0] = (1 << 40,)
+    manifest.object_sizes[0] = manifest.chunk_length[0] = size
+    if len(manifest.object_stored):
+        manifest.object_stored[0] = size
+    digest = manifest.hasher.digest_size
+    manifest.blocks = manifest.blocks[:digest] + bytes(digest * (size // (1 << 30) - 1))
+    manifest.shard_geo[:] = [0, 1 << 40]
+    manifest._derived.clear()
+    storage.delete(f"snapshots/{sid}/COMMITTED")
+    commit.write_commit(storage, manifest, writer={})
+    return sid
+
+
+def test_a_tensor_claiming_2_40_elements_is_an_error_not_an_allocation(tmp_path: Path) -> None:
+    sid = _tensor_of_2_40_elements(tmp_path)
+    with pytest.raises(ts.TrainsnapError):
+        ts.read(tmp_path, sid)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        b'{"$timedelta": [1e30, 0, 0]}',
+        b'{"$timedelta": [99999999999, 0, 0]}',
+        b'{"$size": [1e400]}',
+        b'{"$size": [-1]}',
+        b'{"$np": ["<f4", [1099511627776], ""]}',
+        b'{"$path": [[1], 2]}',
+        b'{"$np": ["<U999999999999", [1], "AAAA"]}',
+        b'{"$bytes": 5}',
+        b'{"$datetime": 5}',
+    ],
+)
+def test_overflowing_or_malformed_value_tags_are_a_trainsnap_error(document: bytes) -> None:
+    """Overflowing tags (a timedelta of 10^30 days, a Size of inf) raised OverflowError."""
+    from trainsnap.format import values
+
+    with pytest.raises(ts.TrainsnapError):
+        values.decode(values.JSON, document, "cfg", allow_pickle=False, snapshot_id="s")
+
+
+def test_a_marker_recording_a_huge_manifest_is_refused_before_reading(tmp_path: Path) -> None:
+    """A marker may record any manifest size; the manifest was then read whole (a sparse file
+    of 5 GiB read into memory). A size beyond the cap is now corrupt before any read."""
+    from trainsnap.format.encoding import MAX_MANIFEST
+
+    sid = ts.save(_state(), tmp_path, step=3).id
+    _reseal_marker(tmp_path, sid, lambda doc: doc["manifest"].update(size=MAX_MANIFEST + 1))
+    with pytest.raises(ts.CorruptError, match=r"manifest\.size"):
+        commit.committed_marker(open_storage(tmp_path), sid)
+
+
+# -- what is saved can be read --------------------------------------------------------------------
+
+
+def _cyclic(items: list) -> list:
+    items.append(items)
+    return items
+
+
+def _deep_state(depth: int) -> dict:
+    node: dict = {"t": torch.ones(2)}
+    for _ in range(depth):
+        node = {"n": node}
+    return node
+
+
+@pytest.mark.parametrize(
+    ("state", "key"),
+    [
+        (_deep_state(300), "n.n.n"),
+        ({"cyc": _cyclic([])}, "cyc"),
+        ({"cyc": _cyclic([torch.ones(1)])}, "cyc"),
+        ({"big": 1 << 5000}, "big"),
+        ({"cfg": {1 << 2000: 1}}, "cfg"),
+    ],
+    ids=["nested-300", "cyclic-value", "cyclic-with-tensor", "int-5000-bits", "key-2000-bits"],
+)
+def test_a_save_refuses_what_no_reader_reads_before_writing(
+    tmp_path: Path, state: dict, key: str
+) -> None:
+    """A state nested beyond the reader's limit committed a snapshot no reader opens; a cyclic
+    state or a huge integer failed with a raw RecursionError or ValueError."""
+    with pytest.raises(ts.InvalidArgumentError, match=key):
+        ts.save(state, tmp_path / "root", step=1)
+    assert not (tmp_path / "root" / "objects").exists() or not any(
+        (tmp_path / "root" / "objects").rglob("*")
+    )
+    assert ts.list_snapshots(tmp_path / "root") == []

@@ -239,3 +239,106 @@ def test_cli_import_dcp(tmp_path: Path) -> None:
     )
     res = CliRunner().invoke(app, ["import-dcp", str(tmp_path / "nope"), str(tmp_path / "root")])
     assert res.exit_code == 2 and "not a torch.distributed.checkpoint directory" in res.stderr
+
+
+# -- the .metadata is read, never unpickled (issue: no code from a checkpoint) ------------------
+
+
+def _no_unpickling(*_args: Any, **_kwargs: Any) -> Any:
+    raise AssertionError("the DCP checkpoint was unpickled")
+
+
+def test_import_reads_the_metadata_without_unpickling_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real DCP checkpoint of this torch imports exactly with pickle's loaders disabled."""
+    import pickle
+
+    src, tensors = tmp_path / "dcp", reference()
+    dcp.save({**tensors, "step": 7, "cfg": {"lr": 0.5}}, checkpoint_id=str(src), no_dist=True)
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, _no_unpickling)
+    info = import_dcp(src, tmp_path / "root")
+    monkeypatch.undo()
+    got = ts.read(tmp_path / "root", info.id)
+    for key, tensor in tensors.items():
+        assert torch.equal(bits(got[key]), bits(tensor)), key
+    assert got["step"] == 7
+
+
+def _metadata_with(tmp_path: Path, edit: Any) -> Path:
+    """A DCP directory whose .metadata is the pickle of a real one after ``edit``."""
+    import pickle
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(src), no_dist=True)
+    metadata = pickle.loads((src / ".metadata").read_bytes())
+    (src / ".metadata").write_bytes(pickle.dumps(edit(metadata), protocol=2))
+    return src
+
+
+def _build_on_a_class() -> bytes:
+    """A pickle that BUILDs a dict onto the MetadataIndex *class* (an allow-listed name): an
+    allow-list unpickler sets the attribute on the class for the whole process."""
+    return (
+        b"\x80\x04c" + b"torch.distributed.checkpoint.metadata\nMetadataIndex\n"
+        b"}\x8c\x0bhacked_attr\x94K\x01sb."
+    )
+
+
+def test_a_build_on_an_allow_listed_class_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(_build_on_a_class())
+    with pytest.raises(ts.IncompatibleError, match="BUILD on a class"):
+        import_dcp(src, tmp_path / "root")
+    assert not hasattr(MetadataIndex, "hacked_attr")
+
+
+@pytest.mark.parametrize(
+    ("edit", "what"),
+    [
+        (lambda m: setattr(m, "storage_data", ["not", "a", "dict"]) or m, "storage_data"),
+        (lambda m: setattr(m, "state_dict_metadata", {"w": 3}) or m, "entry 'w'"),
+        (lambda m: [m, m], "not DCP Metadata"),
+    ],
+)
+def test_malformed_dcp_metadata_is_a_trainsnap_error(tmp_path: Path, edit: Any, what: str) -> None:
+    """Metadata of the wrong shape was a raw AttributeError deep in the import."""
+    src = _metadata_with(tmp_path, edit)
+    with pytest.raises(ts.TrainsnapError, match=what):
+        import_dcp(src, tmp_path / "root")
+
+
+def test_an_item_range_past_its_file_is_refused_before_allocation(tmp_path: Path) -> None:
+    """A value item claiming 2^40 bytes was allocated before it was read."""
+
+    def huge(m: Any) -> Any:
+        for index, info in m.storage_data.items():
+            if index.fqn == "n":
+                info.length = 1 << 40
+        return m
+
+    import pickle
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3), "n": 5}, checkpoint_id=str(src), no_dist=True)
+    metadata = huge(pickle.loads((src / ".metadata").read_bytes()))
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ts.CorruptError, match="runs past the end"):
+        import_dcp(src, tmp_path / "root")
+
+
+def test_metadata_lacking_a_required_field_is_refused_not_a_type_error() -> None:
+    """Found by the fuzz suite's long form: a Metadata record whose state misnames its one
+    required field reached the dataclass constructor (a raw TypeError)."""
+    import pickle
+
+    from trainsnap.integrations.dcp_metadata import decode_metadata
+
+    data = pickle.dumps(dcp.metadata.Metadata(state_dict_metadata={}), protocol=4)
+    damaged = data.replace(b"state_dict_metadata", b"rtate_dict_metadata")
+    with pytest.raises(ts.IncompatibleError, match="without the fields"):
+        decode_metadata(damaged)

@@ -13,6 +13,7 @@ and with the fix continues them within floating-point noise."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -270,9 +271,16 @@ def test_a_resume_on_another_mesh_is_refused_then_fixed_within_noise(
     ts.verify(str(root))
 
 
-def test_a_dcp_checkpoint_of_torchtitans_own_backend_is_an_initial_load(tmp_path: Path) -> None:
+def _no_unpickling(*_args: Any, **_kwargs: Any) -> Any:
+    raise AssertionError("a DCP checkpoint was unpickled")
+
+
+def test_a_dcp_checkpoint_of_torchtitans_own_backend_is_an_initial_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Moving a run over: torchtitan's DCP checkpointer saved it; ``initial_load_path`` starts
-    the trainsnap one from it (model, optimizer, schedule, data, train state)."""
+    the trainsnap one from it (model, optimizer, schedule, data, train state), reading its
+    ``.metadata`` and items without unpickling them (pickle's loader raises here)."""
     from torchtitan.components.checkpointer import CheckpointManager
 
     dcp_root = tmp_path / "dcp"
@@ -301,7 +309,13 @@ def test_a_dcp_checkpoint_of_torchtitans_own_backend_is_an_initial_load(tmp_path
 
     config = {"initial_load_path": str(dcp_root / "step-2"), "initial_load_model_only": False}
     second = _build(0, str(tmp_path / "snapshots"), 1, 1, **config)
+    # DCP's reader unpickles .metadata with pickle.load, its planner its items with torch.load
+    # (weights_only=False: pickle.Unpickler). (torchtitan's dataloader pickle.loads the blob it
+    # wrote itself, from a trainsnap snapshot as from a DCP one: that is its own format.)
+    monkeypatch.setattr(pickle, "load", _no_unpickling)
+    monkeypatch.setattr(pickle, "Unpickler", _no_unpickling)
     assert second["checkpointer"].load(step=-1)
+    monkeypatch.undo()
     second["checkpointer"].close()
     assert second["progress"].step == 2
     for got, expected in zip(next(iter(second["loader"])), next(batches), strict=True):

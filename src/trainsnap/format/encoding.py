@@ -43,6 +43,12 @@ def as_dict(value: object, what: str) -> dict[str, Any]:
 MAGIC: Final = b"\x89TSNAPM\n"
 """The first 8 bytes of a format-3 manifest (formats 1 and 2 are JSON: they start with ``{``)."""
 _HEAD: Final = struct.Struct("<8sQ")  # magic, header length
+MAX_MANIFEST: Final = 256 << 20
+"""Largest manifest read (a marker recording a larger one is refused before it is read): a
+manifest of 10^6 shards is about 80 MiB, and a reader's memory grows with the rows (FORMAT.md
+§8 gives the peak at this cap)."""
+MAX_HEADER: Final = 64 << 20
+"""Largest JSON part of a manifest (keys, tree, small tables); the large tables are binary."""
 
 
 class _Tables:
@@ -81,6 +87,8 @@ def unpack(data: bytes) -> tuple[dict[str, Any], memoryview]:
     if len(data) < _HEAD.size or data[:8] != MAGIC:
         raise ValueError("not a binary trainsnap manifest (bad magic)")
     _, n = _HEAD.unpack_from(data)
+    if n > MAX_HEADER:
+        raise ValueError(f"header of {n} bytes, more than a header may be ({MAX_HEADER})")
     if n > len(data) - _HEAD.size:
         raise ValueError(f"header of {n} bytes runs past the end of the {len(data)}-byte manifest")
     doc = json.loads(data[_HEAD.size : _HEAD.size + n])
@@ -220,8 +228,12 @@ def decode(data: bytes, *, snapshot_id: str | None = None) -> Manifest:
     sid = snapshot_id or "?"
     body: memoryview | None = None
     try:
+        if len(data) > MAX_MANIFEST:
+            raise ValueError(f"{len(data)} bytes, more than a manifest may be ({MAX_MANIFEST})")
         if data[:8] == MAGIC:
             doc, body = unpack(data)
+        elif len(data) > MAX_HEADER:  # formats 1 and 2: all JSON
+            raise ValueError(f"{len(data)} bytes of JSON, more than a header may be")
         else:
             doc = json.loads(data)
     except RecursionError:

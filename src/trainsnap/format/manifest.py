@@ -212,6 +212,22 @@ class Manifest:
         idx: dict[tuple[str, int], int] = self._derived["vindex"]
         return idx
 
+    def rank_scoped_keys(self, value: bool = False) -> frozenset[str]:
+        """Keys of the tensors (or values) saved per rank (rank >= 0), computed once: O(entries),
+        whatever world size the manifest claims."""
+        name = "vranked" if value else "tranked"
+        if name not in self._derived:
+            keys, ranks = (
+                (self.value_keys, self.value_ranks)
+                if value
+                else (self.tensor_keys, self.tensor_ranks)
+            )
+            self._derived[name] = frozenset(
+                k for k, r in zip(keys, ranks.tolist(), strict=True) if r >= 0
+            )
+        found: frozenset[str] = self._derived[name]
+        return found
+
     def find_tensor(self, key: str, rank: int) -> int | None:
         """The tensor saved under ``key`` as a global tensor, or as ``rank``'s own."""
         idx = self.tensor_index()

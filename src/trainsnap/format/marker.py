@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from trainsnap.errors import CorruptError, IncompatibleError, TrainsnapError
 from trainsnap.format.checksums import Hasher
-from trainsnap.format.encoding import as_dict
+from trainsnap.format.encoding import MAX_MANIFEST, as_dict
 from trainsnap.format.manifest import (
     FORMAT_VERSION,
     LEVELS,
@@ -88,8 +88,8 @@ def decode_marker(data: bytes, snapshot_id: str) -> Marker:
             )
         man = as_dict(doc["manifest"], "manifest")
         size = man["size"]
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError("manifest.size: expected a non-negative integer")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_MANIFEST:
+            raise ValueError(f"manifest.size: expected an integer in [0, {MAX_MANIFEST}]")
         digest, algorithm = man["digest"], man["algorithm"]
         if not isinstance(digest, str) or not isinstance(algorithm, str):
             raise ValueError("manifest.digest and manifest.algorithm must be strings")

@@ -30,10 +30,18 @@ MAX_DEPTH: Final = 256
 Key = str | int | float | bool | None
 
 
+MAX_INT: Final = 1 << 1024
+"""Integers (keys and plain values) lie in ``(-MAX_INT, MAX_INT)``: a reader parses no longer
+number (JSON readers refuse integers of thousands of digits), so a save refuses one."""
+
+
 def is_key(key: object) -> bool:
-    """True for a key the tree can keep: a JSON scalar (floats finite)."""
-    if type(key) is str or key is None or isinstance(key, int):
+    """True for a key the tree can keep: a JSON scalar (floats finite, integers within
+    :data:`MAX_INT`)."""
+    if type(key) is str or key is None or type(key) is bool:
         return True
+    if isinstance(key, int):
+        return -MAX_INT < key < MAX_INT
     return isinstance(key, float) and math.isfinite(key)
 
 
@@ -154,35 +162,66 @@ def name(kind_: str) -> str:
     return _NAMES[kind_]
 
 
+PATH_BUDGET: Final = 16
+"""The dotted paths of all a tree's nodes may add up to at most this many times the length of
+the entries' keys (plus :data:`PATH_SLACK`): a reader builds each node's path, and a crafted
+tree of long keys nested deep would otherwise make it build gigabytes from a small manifest."""
+PATH_SLACK: Final = 1 << 24
+
+
 def problems(tree: Any, keys: set[str]) -> list[str]:
     """What is wrong with a decoded tree, given the keys of the manifest's entries: every leaf
     must name an entry and every entry be reached by a leaf; nesting is bounded; keys are
-    scalars, distinct within their container."""
-    out: list[str] = []
+    scalars, distinct within their container; the nodes' paths add up to a bounded length.
+
+    O(nodes + the keys' total length) time and memory: a path is joined only for a leaf, and
+    only when it is no longer than the longest key (it must then name an entry)."""
     try:
         if kind(tree) not in MAPPINGS:
             return ["tree: the root is not a mapping"]
-        found = _check(tree)
+        found = _check(tree, keys)
     except (ValueError, TypeError) as e:
         return [f"tree: {e}"]
-    lacking = sorted(found - keys)
-    if lacking:
-        out.append(f"tree: {len(lacking)} leaf/leaves name no entry, e.g. {lacking[0]!r}")
-    unreached = sorted(keys - found)
+    unreached = len(keys) - found
     if unreached:
-        out.append(f"tree: {len(unreached)} entry/entries have no leaf, e.g. {unreached[0]!r}")
-    return out
+        example = next(iter(sorted(keys)))
+        return [f"tree: {unreached} entry/entries have no leaf (the keys include {example!r})"]
+    return []
 
 
-def _check(root: Any) -> set[str]:
-    """The leaves' paths of a well-formed tree; ValueError naming what is malformed."""
+_Link = tuple[Any, str] | None
+"""A node's dotted path as a linked list (parent's link, own part): O(1) per node to extend."""
+
+
+def _joined(link: _Link) -> str:
+    parts = []
+    while link is not None:
+        link, piece = link
+        parts.append(piece)
+    return ".".join(reversed(parts))
+
+
+def _check(root: Any, keys: set[str]) -> int:
+    """How many leaves a well-formed tree has, each naming one of ``keys``; ValueError naming
+    what is malformed (the first leaf naming no entry, a repeated leaf, a path longer than
+    any key, a total path length beyond the budget)."""
+    longest = max(map(len, keys), default=0)
+    budget = PATH_BUDGET * sum(map(len, keys)) + PATH_SLACK
     found: set[str] = set()
-    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
+    stack: list[tuple[Any, _Link, int, int]] = [(root, None, 0, -1)]
     while stack:
-        n, path, d = stack.pop()
+        n, link, d, length = stack.pop()
+        budget -= max(length, 0)
+        if budget < 0:
+            raise ValueError("its paths add up to more than its keys can account for")
         if type(n) is int and n == LEAF:  # most nodes: inline, this runs on every decode
+            if length > longest:
+                raise ValueError(f"a leaf's path of {length} characters names no entry")
+            path = _joined(link)
+            if path not in keys:
+                raise ValueError(f"a leaf names no entry: {_short(path)}")
             if path in found:
-                raise ValueError(f"two leaves share the key {path!r}")
+                raise ValueError(f"two leaves share the key {_short(path)}")
             found.add(path)
             continue
         if d > MAX_DEPTH:
@@ -192,20 +231,22 @@ def _check(root: Any) -> set[str]:
         if not isinstance(body, list):
             raise ValueError(f"a {_NAMES[k]} node holds a {type(body).__name__}")
         if k in SEQUENCES:
-            stack.extend((c, join(path, i), d + 1) for i, c in enumerate(body))
+            for i, c in enumerate(body):
+                piece = str(i)
+                stack.append((c, (link, piece), d + 1, length + 1 + len(piece)))
             continue
         seen = set()
-        prefix = f"{path}." if path else ""
         for pair in body:
             if not (type(pair) is list and len(pair) == 2 and is_key(pair[0])):
                 raise ValueError(f"bad {_NAMES[k]} item {_short(pair)}")
             key = pair[0]
             tk = (type(key), key)
             if tk in seen:
-                raise ValueError(f"a {_NAMES[k]} repeats the key {key!r}")
+                raise ValueError(f"a {_NAMES[k]} repeats the key {_short(key)}")
             seen.add(tk)
-            stack.append((pair[1], prefix + (key if type(key) is str else str(key)), d + 1))
-    return found
+            piece = key if type(key) is str else str(key)
+            stack.append((pair[1], (link, piece), d + 1, length + 1 + len(piece)))
+    return len(found)
 
 
 def _short(obj: object) -> str:
@@ -216,6 +257,7 @@ def _short(obj: object) -> str:
 __all__ = [
     "LEAF",
     "MAX_DEPTH",
+    "MAX_INT",
     "container_kind",
     "is_key",
     "items",

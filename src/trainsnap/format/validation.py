@@ -211,6 +211,11 @@ def _validate_tables(manifest: Manifest) -> list[str]:
         nv and int(manifest.value_ranks.min()) < -1
     ):
         p.append("a rank below -1")
+    world = manifest.world_size
+    if (nt and int(manifest.tensor_ranks.max()) >= world) or (
+        nv and int(manifest.value_ranks.max()) >= world
+    ):
+        p.append(f"a rank at or above the world size {world}")
     if "" in manifest.tensor_keys or "" in manifest.value_keys:
         p.append("an empty key")
     if any(n < 0 for s in manifest.tensor_shapes for n in s):

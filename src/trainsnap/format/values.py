@@ -23,7 +23,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import numpy as np
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
+from trainsnap.format import tree
 
 JSON: Final = "json"
 PICKLE: Final = "pickle"
@@ -62,6 +63,18 @@ class NotPlainError(TypeError):
     """Raised by :func:`encode_plain` for a value outside the plain-data set."""
 
 
+class UnreadableValueError(InvalidArgumentError):
+    """Raised by :func:`encode_plain` for plain data no reader would read back: nested deeper
+    than :data:`MAX_DEPTH`, holding itself, or an integer beyond :data:`MAX_INT`."""
+
+
+MAX_DEPTH: Final = 200
+"""Deepest nesting of containers in one plain value (a reader refuses more, so a save does)."""
+MAX_INT: Final = tree.MAX_INT
+_MAX_NP_DTYPE: Final = 32
+"""Longest numpy dtype string read (``"<M8[ns]"`` is 7)."""
+
+
 def pickle_allowed(allow: PickleKeys, key: str) -> bool:
     """Whether the opt-in ``allow`` covers the value at ``key`` (a key covers what is under it)."""
     if isinstance(allow, bool):
@@ -83,17 +96,30 @@ def _why_not(value: Any) -> str:
     return "not plain data"
 
 
-def _enc_items(pairs: Any, path: str) -> list[list[Any]]:
+def _enc_items(pairs: Any, path: str, depth: int) -> list[list[Any]]:
     out = []
     for k, x in pairs:
         if not _is_key(k):
             raise NotPlainError(f"{path}: dict key {k!r} is not a str, int, float, bool or None")
-        out.append([_enc(k, path), _enc(x, f"{path}.{k}")])
+        out.append([_enc(k, path, depth), _enc(x, f"{path}.{k}", depth)])
     return out
 
 
 def _is_key(k: Any) -> bool:
-    return k is None or isinstance(k, str | int) or (isinstance(k, float) and math.isfinite(k))
+    return k is None or isinstance(k, str) or tree.is_key(k)
+
+
+def _enc(value: Any, path: str, depth: int = 0) -> Any:
+    """The JSON form of ``value``; a container deeper than :data:`MAX_DEPTH` (which a cycle
+    always is) raises :class:`UnreadableValueError` naming where."""
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        if depth >= MAX_DEPTH:
+            raise UnreadableValueError(
+                f"{_clip(path)}: nested deeper than {MAX_DEPTH} containers (or it holds itself); a "
+                "reader refuses that. Flatten it, or break the cycle"
+            )
+        depth += 1
+    return _enc_one(value, path, depth)
 
 
 def _enc_numpy(value: Any, path: str) -> Any:
@@ -105,10 +131,19 @@ def _enc_numpy(value: Any, path: str) -> Any:
     return {"$npscalar": [value.dtype.str, body]}
 
 
-def _enc(value: Any, path: str) -> Any:
+def _clip(path: str) -> str:
+    return path if len(path) <= 80 else f"{path[:77]}..."
+
+
+def _enc_one(value: Any, path: str, depth: int) -> Any:
     if value is None or type(value) in (bool, str):
         return value
     if type(value) is int:
+        if not -MAX_INT < value < MAX_INT:
+            raise UnreadableValueError(
+                f"{_clip(path)}: an integer of {value.bit_length()} bits; a reader refuses "
+                "integers of 1024 bits or more. Store it as a string or bytes"
+            )
         return int(value)
     if isinstance(value, np.ndarray | np.generic):
         return _enc_numpy(value, path)
@@ -124,18 +159,18 @@ def _enc(value: Any, path: str) -> Any:
     if isinstance(value, bytes | bytearray):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if type(value) is list:
-        return [_enc(x, f"{path}[{i}]") for i, x in enumerate(value)]
+        return [_enc(x, f"{path}[{i}]", depth) for i, x in enumerate(value)]
     if type(value) is tuple:
-        return {"$tuple": [_enc(x, f"{path}[{i}]") for i, x in enumerate(value)]}
+        return {"$tuple": [_enc(x, f"{path}[{i}]", depth) for i, x in enumerate(value)]}
     if type(value) is dict:
         plain_keys = all(isinstance(k, str) and not k.startswith("$") for k in value)
         if plain_keys:
-            return {k: _enc(x, f"{path}.{k}") for k, x in value.items()}
-        return {"$dict": _enc_items(value.items(), path)}
+            return {k: _enc(x, f"{path}.{k}", depth) for k, x in value.items()}
+        return {"$dict": _enc_items(value.items(), path, depth)}
     if type(value) is OrderedDict:
-        return {"$odict": _enc_items(value.items(), path)}
+        return {"$odict": _enc_items(value.items(), path, depth)}
     if type(value) in (set, frozenset):
-        items = [_enc(x, f"{path}{{}}") for x in value]
+        items = [_enc(x, f"{path}{{}}", depth) for x in value]
         items.sort(key=lambda x: json.dumps(x, sort_keys=True))  # the same bytes on every rank
         return {f"${type(value).__name__}": items}
     if type(value).__name__ in _PATHS and type(value) is _PATHS[type(value).__name__]:
@@ -152,85 +187,124 @@ def _enc(value: Any, path: str) -> Any:
     raise NotPlainError(f"{path}: {cls.__module__}.{cls.__qualname__} is {_why_not(value)}")
 
 
-def _dec(value: Any) -> Any:
+def _dec(value: Any, depth: int = 0) -> Any:
+    """The value a JSON document encodes; ValueError for anything malformed: every tag's body
+    is checked for type and range before it is used, nesting is bounded by :data:`MAX_DEPTH`
+    (the JSON nests at most twice as deep as the value: a tag is one level more)."""
+    if isinstance(value, list | dict):
+        if depth >= 2 * MAX_DEPTH + 2:
+            raise ValueError(f"nested deeper than {MAX_DEPTH} containers")
+        depth += 1
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -MAX_INT < value < MAX_INT:
+            raise ValueError("an integer of 1024 bits or more")
+        return value
     if isinstance(value, list):
-        return [_dec(x) for x in value]
+        return [_dec(x, depth) for x in value]
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
         ((tag, body),) = value.items()
-        if tag == "$tuple":
-            if not isinstance(body, list):
-                raise ValueError(f"$tuple holds a {type(body).__name__}, not a list")
-            return tuple(_dec(x) for x in body)
-        if tag == "$float":
-            return float(body)
-        if tag == "$bytes":
-            return base64.b64decode(body)
-        if tag == "$size":
-            import torch
-
-            return torch.Size(int(x) for x in body)
-        if tag == "$dtype":
-            return dtype_from_name(body)
-        if tag in ("$dict", "$odict"):
-            pairs = _dec_pairs(body)
-            return OrderedDict(pairs) if tag == "$odict" else pairs
-        if tag in ("$set", "$frozenset"):
-            if not isinstance(body, list):
-                raise ValueError(f"{tag} holds a {type(body).__name__}, not a list")
-            items = [_dec(x) for x in body]
-            return set(items) if tag == "$set" else frozenset(items)
+        if tag in _CONTAINER_TAGS:
+            return _dec_container(tag, body, depth)
         decoded = _dec_scalar(tag, body)
         if decoded is not _NOT_SCALAR:
             return decoded
     if any(isinstance(k, str) and k.startswith("$") for k in value):
-        raise ValueError(f"unknown tag in plain value: {sorted(value)}")
-    return {k: _dec(x) for k, x in value.items()}
+        raise ValueError(f"unknown tag in plain value: {sorted(value)[:4]}")
+    return {k: _dec(x, depth) for k, x in value.items()}
 
 
+_CONTAINER_TAGS: Final = frozenset({"$tuple", "$dict", "$odict", "$set", "$frozenset"})
 _NOT_SCALAR: Final = object()
 
 
+def _body(tag: str, body: Any, kind: type | tuple[type, ...], size: int | None = None) -> Any:
+    """``body`` when it is a ``kind`` (of ``size`` items); ValueError naming the tag else."""
+    if not isinstance(body, kind) or (size is not None and len(cast(list[Any], body)) != size):
+        want = f"{size} items" if size is not None else getattr(kind, "__name__", str(kind))
+        raise ValueError(f"{tag} holds a {type(body).__name__} ({str(body)[:40]}), not {want}")
+    return body
+
+
+def _dec_container(tag: str, body: Any, depth: int) -> Any:
+    if tag == "$tuple":
+        return tuple(_dec(x, depth) for x in _body(tag, body, list))
+    if tag in ("$dict", "$odict"):
+        pairs = _dec_pairs(body, depth)
+        return OrderedDict(pairs) if tag == "$odict" else pairs
+    items = [_dec(x, depth) for x in _body(tag, body, list)]
+    return set(items) if tag == "$set" else frozenset(items)
+
+
+def _int_in(value: Any, low: int, high: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ValueError(f"{what}: expected an integer in [{low}, {high}), got {str(value)[:40]}")
+    return value
+
+
 def _dec_scalar(tag: str, body: Any) -> Any:
-    """The paths, times and numpy values; ``_NOT_SCALAR`` for other tags."""
+    """The tagged scalars; ``_NOT_SCALAR`` for other tags."""
+    if tag == "$float":
+        return float(_body(tag, body, str))
+    if tag == "$bytes":
+        return base64.b64decode(_body(tag, body, str), validate=True)
+    if tag == "$size":
+        import torch
+
+        return torch.Size(_int_in(n, 0, 1 << 63, "$size") for n in _body(tag, body, list))
+    if tag == "$dtype":
+        return dtype_from_name(_body(tag, body, str))
     if tag == "$path":
-        cls_name, text = body
-        cls = _PATHS[cls_name]
+        cls_name, text = _body(tag, body, list, 2)
+        cls = _PATHS.get(cls_name) if isinstance(cls_name, str) else None
+        if cls is None or not isinstance(text, str):
+            raise ValueError(f"$path holds {str(body)[:60]}, not [a path class, a string]")
         try:
             return cls(text)
         except NotImplementedError:  # a concrete path of another OS: its pure flavour
             pure = pathlib.PureWindowsPath if "Windows" in cls_name else pathlib.PurePosixPath
             return pure(text)
-    if tag == "$datetime":
-        return dt.datetime.fromisoformat(body)
-    if tag == "$date":
-        return dt.date.fromisoformat(body)
-    if tag == "$time":
-        return dt.time.fromisoformat(body)
+    if tag in ("$datetime", "$date", "$time"):
+        text = _body(tag, body, str)
+        if tag == "$datetime":
+            return dt.datetime.fromisoformat(text)
+        return dt.date.fromisoformat(text) if tag == "$date" else dt.time.fromisoformat(text)
     if tag == "$timedelta":
-        days, seconds, micro = body
-        return dt.timedelta(days=days, seconds=seconds, microseconds=micro)
+        days, seconds, micro = _body(tag, body, list, 3)
+        return dt.timedelta(
+            days=_int_in(days, -999999999, 1000000000, "$timedelta days"),
+            seconds=_int_in(seconds, 0, 86400, "$timedelta seconds"),
+            microseconds=_int_in(micro, 0, 1000000, "$timedelta microseconds"),
+        )
     if tag in ("$np", "$npscalar"):
         return _dec_numpy(tag, body)
     return _NOT_SCALAR
 
 
 def _dec_numpy(tag: str, body: Any) -> Any:
-    dtype = np.dtype(body[0])
-    if dtype.kind not in _NP_KINDS:
-        raise ValueError(f"numpy dtype {body[0]!r} is not plain data")
-    shape = tuple(body[1]) if tag == "$np" else ()
-    raw = base64.b64decode(body[-1])
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
-        raise ValueError(f"numpy shape {list(shape)} is not a list of sizes")
+    _body(tag, body, list, 3 if tag == "$np" else 2)
+    name, text = body[0], body[-1]
+    if not isinstance(name, str) or len(name) > _MAX_NP_DTYPE or not isinstance(text, str):
+        raise ValueError(f"{tag} holds {str(body)[:60]}, not [a dtype, ..., base64 text]")
+    dtype = np.dtype(name)
+    if dtype.kind not in _NP_KINDS or dtype.itemsize == 0:
+        raise ValueError(f"numpy dtype {name!r} is not plain data")
+    shape = tuple(_body(tag, body[1], list)) if tag == "$np" else ()
+    if len(shape) > 64:
+        raise ValueError(f"numpy shape of {len(shape)} dimensions (at most 64)")
+    for n in shape:
+        _int_in(n, 0, 1 << 62, "numpy shape")
+    if len(text) // 4 * 3 < dtype.itemsize * math.prod(shape):  # before decoding anything
+        raise ValueError(f"numpy value of shape {list(shape)} and {len(text)} base64 bytes differ")
+    raw = base64.b64decode(text, validate=True)
     if len(raw) != dtype.itemsize * math.prod(shape):
         raise ValueError(f"numpy value of shape {list(shape)} and {len(raw)} bytes disagree")
     array = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     return array if tag == "$np" else array[()]
 
 
-def _dec_pairs(body: Any) -> dict[Any, Any]:
+def _dec_pairs(body: Any, depth: int) -> dict[Any, Any]:
     """A ``$dict`` (a dict with non-string keys): a list of distinct [key, value] pairs."""
     if not isinstance(body, list) or not all(
         isinstance(pair, list) and len(pair) == 2 for pair in body
@@ -238,10 +312,12 @@ def _dec_pairs(body: Any) -> dict[Any, Any]:
         raise ValueError("$dict holds something other than a list of [key, value] pairs")
     out = {}
     for raw_key, item in body:
-        key = _dec(raw_key)
+        key = _dec(raw_key, depth)
+        if not _is_key(key):
+            raise ValueError(f"$dict has a key {str(key)[:40]} that is not a scalar")
         if key in out:
             raise ValueError(f"$dict repeats the key {key!r}")
-        out[key] = _dec(item)
+        out[key] = _dec(item, depth)
     return out
 
 
@@ -262,6 +338,8 @@ def encode(value: Any, key: str, *, allow_pickle: PickleKeys) -> tuple[str, byte
     """(codec, bytes) for a value: JSON when plain, pickle only when allowed for ``key``."""
     try:
         return JSON, encode_plain(value, key)
+    except UnreadableValueError as e:
+        raise InvalidArgumentError(f"cannot save {key!r}: {e}", key=key) from None
     except NotPlainError as e:
         if not pickle_allowed(allow_pickle, key):
             top = key.split(".", 1)[0]
@@ -281,7 +359,14 @@ def decode(codec: str, data: bytes, key: str, *, allow_pickle: PickleKeys, snaps
     if codec == JSON:
         try:
             return _dec(json.loads(data))
-        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            IndexError,
+            OverflowError,
+            RecursionError,
+        ) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             raise IncompatibleError(
                 f"value {key!r} of snapshot {snapshot_id} is not valid trainsnap JSON: {why}",

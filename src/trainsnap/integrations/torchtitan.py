@@ -368,6 +368,8 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
             return True
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+        from trainsnap.integrations.dcp_metadata import safe_planner, safe_reader
+
         if not filesystem.isdir(path):
             raise InvalidArgumentError(f"Checkpoint.initial_load_path is invalid: {path}")
         # torchtitan's DCP layout: model FQNs at the top, every other state under its name.
@@ -384,7 +386,7 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
                 for k, v in others.items()
                 if v is not None and k not in self.config.exclude_from_loading
             )
-        dcp_load(sd, checkpoint_id=path)
+        dcp_load(sd, checkpoint_id=path, storage_reader=safe_reader(path), planner=safe_planner())
         self.model.load_state_dict(sd)
         log.info("initial load: DCP checkpoint %s (model only: %s)", path, model_only)
         return True

@@ -108,12 +108,7 @@ def rank_scoped(manifest: Manifest, key: str) -> bool:
 
 def _rank_scoped(manifest: Manifest, key: str, value: bool = False) -> bool:
     idx = manifest.value_index() if value else manifest.tensor_index()
-    return (key, -1) not in idx and any((key, r) in idx for r in range(_world(manifest)))
-
-
-def _world(manifest: Manifest) -> int:
-    w = manifest.topology.get("world_size", 1)
-    return w if isinstance(w, int) and 0 < w < 1 << 20 else 1
+    return (key, -1) not in idx and key in manifest.rank_scoped_keys(value)
 
 
 def match(

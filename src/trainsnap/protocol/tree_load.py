@@ -32,7 +32,12 @@ from typing import Any, cast
 
 import torch
 
-from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
+from trainsnap.errors import (
+    CorruptError,
+    IncompatibleError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from trainsnap.format import tree, values
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Box
@@ -93,7 +98,16 @@ class _Planner:
                 )
             )
             return lambda _d: None
-        local = torch.empty(shape, dtype=values.dtype_from_name(self.m.tensor_dtypes[t]))
+        try:  # pages untouched until read: what a read fills is what the objects hold
+            local = torch.empty(shape, dtype=values.dtype_from_name(self.m.tensor_dtypes[t]))
+        except (RuntimeError, MemoryError) as e:
+            raise CorruptError(
+                f"snapshot {self.m.snapshot_id}: tensor {key!r} of shape {list(shape)} cannot "
+                f"be allocated ({type(e).__name__}); its manifest declares more than this host "
+                "holds, or is damaged",
+                snapshot_id=self.m.snapshot_id,
+                key=key,
+            ) from None
         self.targets.tensors.append(TensorItem(key, local, shape, Box.full(shape)))
         return lambda _d: local
 

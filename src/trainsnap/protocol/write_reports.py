@@ -91,7 +91,8 @@ def encode(report: WriteReport) -> bytes:
 
 
 def decode(data: bytes) -> WriteReport:
-    """The report :func:`encode` made; ``CorruptError`` for anything else."""
+    """The report :func:`encode` made; ``CorruptError`` for anything else. O(len(data)): every
+    count and length in it is checked against the bytes that are there before it is used."""
     try:
         magic, length = _HEAD.unpack_from(data)
         if magic != MAGIC or _HEAD.size + length > len(data):
@@ -114,8 +115,10 @@ def decode(data: bytes) -> WriteReport:
             raise ValueError("bytes after the digests")
         report.entries = [_written(item) for item in header["entries"]]
         report.values = [_written(item) for item in header["values"]]
+    except RecursionError:
+        raise CorruptError("a write report that cannot be decoded: nested too deeply") from None
     except (ValueError, TypeError, KeyError, struct.error) as e:
-        raise CorruptError(f"a write report that cannot be decoded: {e}") from None
+        raise CorruptError(f"a write report that cannot be decoded: {str(e)[:200]}") from None
     return report
 
 
@@ -189,6 +192,12 @@ def _read(storage: Storage, snapshot_id: str, rank: int, sent: StoredReport) -> 
     rank's error report)."""
     key = report_key(snapshot_id, rank)
     try:
+        stored = storage.stat(key)
+        if stored != sent.size:  # before reading: never read more than the rank wrote
+            return WriteReport(
+                error=f"its write report {key} is {stored} bytes, but the rank sent "
+                f"{sent.size}: the stored report was changed or truncated"
+            )
         data = storage.get(key)
     except FileNotFoundError:
         return WriteReport(

@@ -31,6 +31,7 @@ import torch
 
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.format import tree as tree_mod
+from trainsnap.format import values as values_mod
 from trainsnap.format.regions import Box, Flat, Region, Shape
 
 GLOBAL = -1
@@ -174,14 +175,28 @@ def state_dict_of(obj: Any, key: str) -> Mapping[Any, Any]:
     return sd
 
 
-def _has_tensor(obj: object) -> bool:
+def _has_tensor(obj: object, active: tuple[int, ...] = ()) -> bool:
+    """Whether a tensor or a stateful object is under ``obj``. A container that holds itself
+    counts as one (the walk then reaches the cycle and refuses it); past the deepest nesting a
+    plain value may have, False (the value's encoder refuses it)."""
     if isinstance(obj, torch.Tensor | Sharded):
         return True
-    if isinstance(obj, Mapping):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return any(_has_tensor(v) for v in obj)
+    if isinstance(obj, Mapping | list | tuple):
+        if id(obj) in active:
+            return True
+        if len(active) > values_mod.MAX_DEPTH:
+            return False
+        inner = (*active, id(obj))
+        children = obj.values() if isinstance(obj, Mapping) else obj
+        return any(_has_tensor(v, inner) for v in children)
     return is_stateful(obj)
+
+
+def _described(key: object) -> str:
+    if isinstance(key, int) and not -tree_mod.MAX_INT < key < tree_mod.MAX_INT:
+        return f"(an integer of {key.bit_length()} bits)"
+    text = repr(key)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _join(prefix: str, key: object) -> str:
@@ -189,8 +204,9 @@ def _join(prefix: str, key: object) -> str:
         return f"{prefix}.{key}" if prefix else key
     if not tree_mod.is_key(key):
         raise InvalidArgumentError(
-            f"state key {key!r} under {prefix or 'the root'!r} is a {type(key).__name__}; "
-            "keys must be str, int, float, bool or None",
+            f"state key {_described(key)} under {prefix[:80] or 'the root'!r} is a "
+            f"{type(key).__name__}; keys must be str, int (below 2^1024 in size), float, bool "
+            "or None",
             key=prefix,
         )
     part = tree_mod.part(key)  # type: ignore[arg-type]
@@ -393,22 +409,33 @@ def _walk(
     parent: Any,
     idx: Any,
     finishers: list[Callable[[], None]] | None,
+    depth: int = 0,
 ) -> Any:
     """Visit every leaf under ``obj``; returns the structure (a :mod:`~trainsnap.format.tree`
-    node) of what was walked."""
+    node) of what was walked. A structure nested deeper than a reader reads (which a cycle
+    always is) is refused here, before anything is written."""
     if isinstance(obj, torch.Tensor | Sharded):
         visit(key, obj, parent, idx)
         return tree_mod.LEAF
+    if depth > tree_mod.MAX_DEPTH and (is_stateful(obj) or isinstance(obj, Mapping | list | tuple)):
+        raise InvalidArgumentError(
+            f"cannot save {key[:80]!r}: the state is nested deeper than {tree_mod.MAX_DEPTH} "
+            "containers there (or holds itself), which no reader reads back; flatten it or "
+            "break the cycle",
+            key=key[:200],
+        )
     if is_stateful(obj):
         sd = state_dict_of(obj, key)
-        node = _walk_mapping(sd, key, visit, finishers)
+        node = _walk_mapping(sd, key, visit, finishers, depth)
         if finishers is not None:
             finishers.append(partial(obj.load_state_dict, sd))
         return node
     if isinstance(obj, Mapping):
-        return _walk_mapping(obj, key, visit, finishers)
+        return _walk_mapping(obj, key, visit, finishers, depth)
     if isinstance(obj, list | tuple) and _has_tensor(obj):
-        children = [_walk(v, _join(key, i), visit, obj, i, finishers) for i, v in enumerate(obj)]
+        children = [
+            _walk(v, _join(key, i), visit, obj, i, finishers, depth + 1) for i, v in enumerate(obj)
+        ]
         return tree_mod.sequence(tree_mod.container_kind(obj), children)
     visit(key, obj, parent, idx)
     return tree_mod.LEAF
@@ -419,9 +446,11 @@ def _walk_mapping(
     key: str,
     visit: Callable[[str, Any, Any, Any], None],
     finishers: list[Callable[[], None]] | None,
+    depth: int = 0,
 ) -> Any:
     pairs = [
-        (k, _walk(v, _join(key, k), visit, manifest, k, finishers)) for k, v in manifest.items()
+        (k, _walk(v, _join(key, k), visit, manifest, k, finishers, depth + 1))
+        for k, v in manifest.items()
     ]
     return {"o" if isinstance(manifest, OrderedDict) else "d": pairs}
 

@@ -17,10 +17,12 @@ tensor name to its file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import secrets
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -338,19 +340,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
 def _write_atomic(final: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write through a temporary name in the same directory, fsync, rename: a reader sees the
-    whole file or none (or the previous one)."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    whole file or none (or the previous one). The temporary name is random (not guessable from
+    the pid) and created exclusively without following links (``O_EXCL | O_NOFOLLOW``), both
+    relative to the directory opened once, so a link or file planted there is never written
+    through; the rename replaces the entry itself, never what a link at ``final`` points to."""
+    directory = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    tmp = f".{final.name}.tmp-{secrets.token_hex(8)}"
     try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        fd = os.open(tmp, _CREATE, 0o644, dir_fd=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
 
 
 def _write_file(
@@ -397,6 +411,27 @@ def _remove_stale_shards(out_dir: Path, plan: ExportPlan) -> list[str]:
     for name in removed:
         (out_dir / name).unlink(missing_ok=True)
     return removed
+
+
+def _new_directories(out: Path) -> list[Path]:
+    """The directories ``out.mkdir(parents=True)`` will create, deepest first."""
+    missing = []
+    for path in (out, *out.parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    return missing
+
+
+def _undo(out: Path, written: list[str], made: list[Path]) -> None:
+    """After a failed export: remove the files it wrote and the directories it made (a file
+    it replaced is gone either way; the index was removed first, so no loader finds a mix)."""
+    for name in written:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    for directory in made:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only when empty
 
 
 def export_safetensors(
@@ -454,6 +489,7 @@ def write_export(
             "directory",
             path=str(out),
         )
+    made = _new_directories(out)
     out.mkdir(parents=True, exist_ok=True)
     removed = _remove_entry_points(out, plan)
     total = plan.total_size
@@ -462,10 +498,16 @@ def write_export(
         if progress is not None:
             progress(count, total)
 
-    for f in plan.files:
-        _write_file(storage, manifest, f, out, piece_bytes, advance)
-    if plan.sharded:
-        _write_index(plan, out)
+    written: list[str] = []
+    try:
+        for f in plan.files:
+            _write_file(storage, manifest, f, out, piece_bytes, advance)
+            written.append(f.name)
+        if plan.sharded:
+            _write_index(plan, out)
+    except BaseException:
+        _undo(out, written, made)
+        raise
     removed += _remove_stale_shards(out, plan)
     _fsync_dir(out)
     if removed:

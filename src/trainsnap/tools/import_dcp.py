@@ -24,6 +24,7 @@ import io
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import zipfile
@@ -52,11 +53,11 @@ from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import layout_objects
 from trainsnap.format.manifest import STATE_KINDS, Manifest, ManifestBuilder, keys_summary
 from trainsnap.format.regions import Box, tiling_problems
+from trainsnap.integrations.dcp_metadata import read_metadata
 from trainsnap.protocol import commit
 from trainsnap.protocol.assemble import library_versions, now_iso
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, Storage, open_storage
-from trainsnap.tools.dcp_metadata import read_metadata
 
 log = logging.getLogger("trainsnap.importdcp")
 
@@ -202,6 +203,7 @@ class _Files:
     def __init__(self, base: Path) -> None:
         self.base = base.resolve()
         self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
 
     def fd(self, rel: str) -> int:
         if rel not in self._fds:
@@ -212,14 +214,34 @@ class _Files:
                     path=str(self.base),
                 )
             try:
-                self._fds[rel] = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise NotFoundError(
                     f"DCP checkpoint {self.base} lacks its data file {rel!r}: the directory is "
                     "incomplete; copy it whole",
                     path=str(path),
                 ) from None
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                raise CorruptError(
+                    f"DCP checkpoint {self.base}: item file {rel!r} is not a regular file",
+                    path=str(path),
+                )
+            self._fds[rel], self._sizes[rel] = fd, info.st_size
         return self._fds[rel]
+
+    def item(self, info: Any, key: str) -> tuple[int, _Where]:
+        """The open file of a DCP item and where it is, refusing (before anything is read or
+        allocated) an item whose recorded range runs past its file's end."""
+        fd = self.fd(info.relative_path)
+        where = _Where(key, str(self.base / info.relative_path), int(info.offset))
+        if info.offset + info.length > self._sizes[info.relative_path]:
+            raise where.damaged(
+                f"of {info.length} bytes runs past the end of its "
+                f"{self._sizes[info.relative_path]}-byte file"
+            )
+        return fd, where
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -318,8 +340,7 @@ def _record_start(view: _View, where: _Where) -> tuple[int, int]:
 
 def _tensor_source(files: _Files, info: Any, key: str, dtype: torch.dtype, box: Box) -> _Source:
     """Where the row-major bytes of one chunk are, checked against the DCP metadata."""
-    where = _Where(key, str(files.base / info.relative_path), int(info.offset))
-    fd = files.fd(info.relative_path)
+    fd, where = files.item(info, key)
     view = _View(fd, info.offset, info.length)
     if view.read(4) != _ZIP_MAGIC:
         raise where.unsupported("is not a torch.save archive (a safetensors-format DCP?)")
@@ -352,11 +373,9 @@ def _load_item(fd: int, info: Any, where: _Where) -> torch.Tensor:
 def _value(files: _Files, info: Any, key: str) -> bytes | None:
     """The item as trainsnap JSON, or None when it is not plain data (or will not load without
     running code from the checkpoint)."""
-    where = _Where(key, str(files.base / info.relative_path), int(info.offset))
+    fd, where = files.item(info, key)
     raw = bytearray(info.length)
-    _FileRange(files.fd(info.relative_path), info.offset, info.length, where).read(
-        0, memoryview(raw)
-    )
+    _FileRange(fd, info.offset, info.length, where).read(0, memoryview(raw))
     try:
         obj = torch.load(io.BytesIO(raw), weights_only=True)
         return values.encode_plain(obj, key)
