@@ -318,8 +318,9 @@ class DTensorBoxes:
     any mix, uneven shards included; the box is torch's own
     (``compute_local_shape_and_global_offset``, as DCP uses). It is worked out once per mesh,
     global shape and placements: a model's layers share a handful of layouts, and torch's
-    computation with the placement checks costs 70 us a tensor (13 ms a walk of 179 DTensors,
-    paid by a distributed load twice before its first read). The memo holds each mesh it keys
+    computation with its placement checks is Python work per tensor that a distributed load
+    would otherwise pay for every DTensor on each walk before its first read (docs/PERFORMANCE.md
+    has the figures). O(distinct layouts) calls to torch a walk. The memo holds each mesh it keys
     on, so that no mesh made and dropped during the walk can pass its id to another."""
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ Example::
         assert assert_all_ok(run_ranks(_sum, world_size=4)) == [6.0] * 4
 
 ``fn`` must be a module-level function (pickled by reference). Tests usually choose world
-sizes of at most 4: the CI machine has 2 cores and every rank imports torch (~2-3 s each).
+sizes of at most 4: CI machines may have 2 cores, and every rank imports torch at start.
 """
 
 from __future__ import annotations
