@@ -247,3 +247,21 @@ def test_fp8_amax_history_travels_as_module_extra_state(tmp_path):
     m2 = FP8Meta()
     ts.load(ts.TrainState(m2), tmp_path)
     assert torch.equal(m2.amax_history, m.amax_history) and torch.equal(m2.scale, m.scale)
+
+
+def test_a_fresh_optimizer_of_another_kind_is_refused_before_it_is_changed(tmp_path) -> None:
+    """A saved AdamW loaded into a fresh SGD: the SGD has no state to compare moments with, so
+    its hyper-parameters tell; torch would take ``betas`` silently and fail at the next step."""
+    model = torch.nn.Linear(4, 2)
+    adamw = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    adamw.step()
+    ts.save(ts.TrainState(model, adamw, no_data_order=True), tmp_path, step=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [dict(g) for g in sgd.param_groups]
+    with pytest.raises(ts.IncompatibleError, match="betas"):
+        ts.load(ts.TrainState(model, sgd, no_data_order=True), tmp_path)
+    assert [dict(g) for g in sgd.param_groups] == before and not sgd.state
+    again = torch.optim.AdamW(model.parameters())
+    assert ts.load(ts.TrainState(model, again, no_data_order=True), tmp_path).level == "strict"
+    assert again.state_dict()["state"][0]["step"] == adamw.state_dict()["state"][0]["step"]

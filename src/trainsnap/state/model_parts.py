@@ -133,7 +133,7 @@ class ModelParts:
         container's own trees stay as they are."""
         if self.kind == "stateful":
             return msd, osd
-        for part, sd in self._optim_trees_by_part(osd):
+        for part, sd in self.optim_trees_by_part(osd):
             sd["state"] = Exact(sd["state"], allowed=self._part_keys[part])
         if self.kind == "named" and self.container is None and osd is not None:
             osd = Exact(osd)
@@ -143,9 +143,9 @@ class ModelParts:
 
     def plain_optim_trees(self, osd: Any) -> list[dict[str, Any]]:
         """The torch optimizers' state dicts inside ``osd`` (none for a container)."""
-        return [sd for _, sd in self._optim_trees_by_part(osd)]
+        return [sd for _, sd in self.optim_trees_by_part(osd)]
 
-    def _optim_trees_by_part(self, osd: Any) -> list[tuple[str, dict[str, Any]]]:
+    def optim_trees_by_part(self, osd: Any) -> list[tuple[str, dict[str, Any]]]:
         """(part, its torch optimizer's state dict) inside ``osd`` (none for a container)."""
         if self.container is not None or osd is None:
             return []

@@ -409,6 +409,33 @@ class TrainState:
         before any object is changed."""
         if "rng" in tree:
             rng_mod.check(tree["rng"])
+        if "optim" in tree and self._parts is not None:
+            self._check_optimizer_kind(tree["optim"])
+
+    def _check_optimizer_kind(self, osd: Any) -> None:
+        """Refuse saved optimizer hyper-parameters that the live optimizers do not have (an
+        AdamW's ``betas`` for an SGD): torch would take them silently and fail at the next
+        step, or step with the wrong rule. Keys only the live optimizer has are accepted (a
+        newer torch adds defaults). O(parameter groups)."""
+        assert self._parts is not None
+        skip = {"params", "param_names"}
+        for part, sd in self._parts.optim_trees_by_part(osd):
+            groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+            if not isinstance(groups, list):
+                continue
+            saved = {k for g in groups if isinstance(g, Mapping) for k in g} - skip
+            live = self._parts.optimizers.get(part, [])
+            known = {k for o in live for g in o.param_groups for k in g} - skip
+            unknown = sorted(saved - known)
+            if live and unknown:
+                kinds = ", ".join(sorted({type(o).__name__ for o in live}))
+                where = f"the optimizer of model part {part!r}" if part else "the optimizer"
+                raise IncompatibleError(
+                    f"{where} ({kinds}) has no hyper-parameter {', '.join(map(repr, unknown))} "
+                    "that the snapshot's optimizer had: the optimizer changed since the save. "
+                    "Build the optimizer the snapshot was saved with, or load level='weights'.",
+                    key="optim",
+                )
 
     def apply(self, tree: dict[str, Any]) -> None:
         """Give every object its loaded state back (after a load filled ``tree`` and
