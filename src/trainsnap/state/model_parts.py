@@ -109,14 +109,19 @@ class ModelParts:
             merged.update(sd)
         return merged
 
-    def optim_tree(self) -> Any:
+    def optim_tree(self, *, initialise: bool = False) -> Any:
+        """The optimizers' state tree, keyed by parameter name. A save leaves a fresh optimizer
+        as it is (no state); ``initialise`` lets torch give it its state first (a zero-lr step
+        on zero gradients), which a load template needs and a load then replaces whole."""
+        from contextlib import nullcontext
+
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self.container is not None:
             return self.container.state_dict()
         sds = {}
         for k, opts in self.optimizers.items():
-            with _no_initialising_step(opts):
+            with nullcontext() if initialise else _no_initialising_step(opts):
                 sds[k] = dict(get_optimizer_state_dict(self.parts[k], opts))
         if self.kind == "module":
             return sds[""]

@@ -215,10 +215,10 @@ class TrainState:
 
     # -- saving -----------------------------------------------------------------------------
 
-    def _model_and_optim(self, with_optim: bool) -> tuple[Any, Any]:
+    def _model_and_optim(self, with_optim: bool, *, initialise: bool = False) -> tuple[Any, Any]:
         assert self._parts is not None
         msd = self._parts.model_tree()
-        return msd, self._parts.optim_tree() if with_optim else None
+        return msd, self._parts.optim_tree(initialise=initialise) if with_optim else None
 
     def save_tree(self, parts: Collection[str] | None = None) -> dict[str, Any]:
         """What a save stores, as a tree of tensors and plain data: every part, or only
@@ -374,7 +374,11 @@ class TrainState:
         tree: dict[str, Any] = {}
         if "model" in parts:
             assert self._parts is not None
-            msd, osd = self._parts.exact(*self._model_and_optim("optim" in parts))
+            # A load template lets torch initialise a fresh optimizer's state: its moments are
+            # the destinations of the saved ones, in the parameters' own layouts (DTensor
+            # shards); the load then replaces the whole state with the saved one.
+            templates = self._model_and_optim("optim" in parts, initialise=True)
+            msd, osd = self._parts.exact(*templates)
             if osd is not None:
                 stateless = set(snap.stateless)
                 for sd in self._parts.plain_optim_trees(osd):
