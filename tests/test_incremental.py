@@ -82,7 +82,7 @@ def test_retained_history_keeps_optimizer_state_at_reduced_precision(tmp_path):
     torch.manual_seed(1)
     model = nn.Linear(256, 256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = ts.TrainState(model, opt)
+    state = ts.TrainState(model, opt, no_data_order=True)
     moments: dict[int, torch.Tensor] = {}
     with ts.CheckpointManager(
         tmp_path,
@@ -106,7 +106,7 @@ def test_retained_history_keeps_optimizer_state_at_reduced_precision(tmp_path):
     assert snaps[2].nbytes < snaps[5].nbytes  # rounded moments compress
     m2 = nn.Linear(256, 256)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
-    fresh = ts.TrainState(m2, o2)
+    fresh = ts.TrainState(m2, o2, no_data_order=True)
     with pytest.raises(ts.IncompatibleError, match="reduced precision"):
         ts.load(fresh, tmp_path, snapshot=snaps[2].id)
     info = ts.load(fresh, tmp_path, snapshot=snaps[2].id, level="training")
