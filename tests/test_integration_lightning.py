@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -316,7 +317,11 @@ def test_the_plugin_pickles_so_ddp_spawn_saves_and_resumes_and_torch_save_of_a_t
     ckpt = tmp_path / "ckpt"
     spawn = {"devices": 2, "strategy": "ddp_spawn"}
     callbacks = [lightning.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt, save_last=True)]
+    before = set(threading.enumerate())
     module, trainer = _fit_tiny(tmp_path, io, callbacks=callbacks, **spawn)
+    # The main process read the weights back and removed their checkpoint after the run's
+    # teardown: the threads that took are gone too.
+    assert not _trainsnap_threads(set(threading.enumerate()) - before)
     torch.save(trainer, tmp_path / "trainer.pt")  # pickles the plug-in with the strategy
     _, last = read_pointer(ckpt / "last.ckpt")
     assert last.startswith("step-000000000004-")  # 2 epochs of 2 steps per process
@@ -390,6 +395,42 @@ def test_per_call_storage_options_of_save_checkpoint_are_used(tmp_path, monkeypa
     )
     with pytest.raises(ts.InvalidArgumentError, match="storage_options must be a dict"):
         io.save_checkpoint({}, url, storage_options="endpoint")
+
+
+def _trainsnap_threads(threads: set[threading.Thread]) -> list[str]:
+    return [t.name for t in threads if t.is_alive() and t.name.startswith("trainsnap")]
+
+
+def test_no_trainsnap_thread_outlives_a_fit_a_save_or_a_load(tmp_path):
+    """Lightning's test suite fails a test that leaves a thread it started alive: every
+    operation of the plug-in (saves with top-k rotation during fit, a save after it, a resume)
+    ends with no trainsnap thread left, while its I/O did run on the pool."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainsnap.engine import pool
+
+    used: list[str] = []
+    runner_init = pool.TaskRunner.__init__
+
+    def noting(self: Any, threads: int) -> None:
+        runner_init(self, threads)
+        if self._executor is not None:
+            used.append("pool")
+
+    io = TrainsnapCheckpointIO(tmp_path / "root")
+    ckpt = tmp_path / "ckpt"
+    before = set(threading.enumerate())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool.TaskRunner, "__init__", noting)
+        top1 = [ModelCheckpoint(dirpath=ckpt, monitor="loss", save_top_k=1, save_last=True)]
+        _, trainer = _fit_tiny(tmp_path, io, epochs=3, callbacks=top1)
+        assert used and not _trainsnap_threads(set(threading.enumerate()) - before)
+        used.clear()
+        trainer.save_checkpoint(tmp_path / "after.ckpt")  # outside fit: no teardown follows
+        assert used and not _trainsnap_threads(set(threading.enumerate()) - before)
+        used.clear()
+        io.load_checkpoint(tmp_path / "after.ckpt")
+        assert used and not _trainsnap_threads(set(threading.enumerate()) - before)
 
 
 def test_a_missing_checkpoint_is_the_file_not_found_error_lightning_expects(tmp_path):

@@ -2,7 +2,8 @@
 
 Hashing (xxhash, hashlib) and the read/write system calls release the GIL, so a few threads
 keep the disk busy while Python only schedules. The threads are the process's, started once
-and shared by every save and load (see :func:`_executor`).
+and shared by every save and load (see :func:`_executor`), until :func:`shut_down_idle_pools`
+lets them exit between runs (a framework that checks for leftover threads after each job).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class TaskRunner(Generic[T]):
             wait(self._futures)  # the shared pool outlives the block, the block's tasks do not
             if self._owned:
                 self._executor.shutdown()
+            else:
+                _release(self._executor)
         if exc is None and failure is not None:
             raise failure
 
@@ -94,6 +97,8 @@ class TaskRunner(Generic[T]):
 
 _PREFIX = "trainsnap-io"
 _shared: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_users: dict[ThreadPoolExecutor, int] = {}
+"""Runners inside their block on each shared pool: a pool with none may be shut down."""
 _shared_lock = threading.Lock()
 
 
@@ -111,7 +116,29 @@ def _executor(threads: int) -> tuple[ThreadPoolExecutor, bool]:
         pool = _shared.get(key)
         if pool is None:
             pool = _shared[key] = ThreadPoolExecutor(threads, thread_name_prefix=_PREFIX)
+        _users[pool] = _users.get(pool, 0) + 1
     return pool, False
+
+
+def _release(pool: ThreadPoolExecutor) -> None:
+    with _shared_lock:
+        _users[pool] -= 1
+        if _users[pool] == 0:
+            del _users[pool]
+
+
+def shut_down_idle_pools() -> int:
+    """Shut down this process's shared pools that no runner is using, and wait for their
+    threads to exit; the next runner starts a fresh pool. A pool in use is left alone: its
+    tasks go on and it is kept for later runners. Safe to call at any time from any thread.
+    Returns how many pools were shut down. O(pools + their threads)."""
+    pid = os.getpid()
+    with _shared_lock:
+        idle = [key for key, pool in _shared.items() if key[0] == pid and pool not in _users]
+        pools = [_shared.pop(key) for key in idle]
+    for pool in pools:  # outside the lock: no runner can reach a pool no longer in ``_shared``
+        pool.shutdown(wait=True)
+    return len(pools)
 
 
 def run_all(tasks: Iterable[Callable[[], T]], threads: int) -> list[T]:

@@ -43,6 +43,7 @@ import torch
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
 from trainsnap.api.snapshots import async_save, delete, load, read, save
+from trainsnap.engine.pool import shut_down_idle_pools
 from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
 from trainsnap.format import tree
 from trainsnap.format.values import PickleKeys, pickle_allowed
@@ -92,6 +93,12 @@ class TrainsnapCheckpointIO(CheckpointIO):
 
     The plug-in pickles (``strategy="ddp_spawn"``, ``torch.save(trainer)``) without its save in
     flight: a copy starts with none.
+
+    Each checkpoint operation (save, load, remove, teardown) ends by letting the I/O threads it
+    started exit (:func:`~trainsnap.engine.pool.shut_down_idle_pools`: a pool another save or
+    load is using is left alone), so no trainsnap thread outlives a ``fit``, including the load
+    and removal that ``ddp_spawn``'s main process does after the run's teardown. The next
+    operation starts a fresh pool: a few thread starts per checkpoint.
     """
 
     def __init__(
@@ -144,8 +151,11 @@ class TrainsnapCheckpointIO(CheckpointIO):
         kwargs: dict[str, Any] = {"step": step, "options": save_options, "no_dist": True}
         kwargs["storage_options"] = options
         if not self.async_save:
-            info = save(state, root, **kwargs)
-            self._point(pointer, root, info.id, step, options)
+            try:
+                info = save(state, root, **kwargs)
+                self._point(pointer, root, info.id, step, options)
+            finally:
+                shut_down_idle_pools()
             return
         if self._saver is None:
             self._saver = AsyncSaver()
@@ -161,12 +171,15 @@ class TrainsnapCheckpointIO(CheckpointIO):
         is no file at ``path``."""
         self.wait()
         root, snapshot_id = read_pointer(path, self.storage_options)
-        checkpoint = read(
-            root,
-            snapshot_id,
-            allow_pickle=self.allow_pickle,
-            storage_options=self.storage_options,
-        )
+        try:
+            checkpoint = read(
+                root,
+                snapshot_id,
+                allow_pickle=self.allow_pickle,
+                storage_options=self.storage_options,
+            )
+        finally:
+            shut_down_idle_pools()
         out: dict[str, Any] = (
             checkpoint if map_location is None else _map_location(checkpoint, map_location)
         )
@@ -187,13 +200,20 @@ class TrainsnapCheckpointIO(CheckpointIO):
                 log.warning("removing %s, which is not a trainsnap pointer: %s", pointer, e)
         _remove(pointer, self.storage_options)
         if owned is not None:
-            self._drop(owned[0], owned[1], pointer, self.storage_options)
+            try:
+                self._drop(owned[0], owned[1], pointer, self.storage_options)
+            finally:
+                shut_down_idle_pools()
 
     def teardown(self) -> None:
-        """Wait for the save in flight (Lightning calls this at the end of fit)."""
-        if self._saver is not None:
-            self._saver.close()
-            self._saver = None
+        """Wait for the save in flight (Lightning calls this at the end of each ``fit``,
+        ``validate``, ``test``); raise the error of a failed background save."""
+        try:
+            if self._saver is not None:
+                self._saver.close()
+                self._saver = None
+        finally:
+            shut_down_idle_pools()
         self._raise_background_error()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -257,6 +277,8 @@ class TrainsnapCheckpointIO(CheckpointIO):
         except BaseException as e:  # raised by the next save, load or teardown
             with self._lock:
                 self._errors.append(e)
+        finally:
+            shut_down_idle_pools()
 
     def _raise_background_error(self) -> None:
         with self._lock:
