@@ -350,3 +350,38 @@ def test_a_restored_run_once_dropped_stops_its_loader_workers_at_once(
     assert freed, "the restore left the run's objects in a reference cycle"
     assert not any(w.is_alive() for w in workers)
     assert took < 4.0  # under one worker's join timeout; 2 x 5 s when collected by gc
+
+
+def test_a_state_saved_before_the_first_batch_resumes_the_first_epochs_order_with_workers(
+    accelerate_state: None, tmp_path: Path
+) -> None:
+    """Saved before the loop's first batch, with workers: accelerate's loader starts its
+    iterator (and its workers' first indices) when it is prepared, before its seedable
+    sampler is put in, so the first epoch's order is the one a fresh loader draws; the resumed
+    run, prepared as the first was, sees that order, and the next epoch's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import set_seed
+
+    from trainsnap.integrations.accelerate import train_state
+
+    data = torch.utils.data.TensorDataset(torch.arange(24.0))
+
+    def prepared() -> tuple[Any, Any]:
+        set_seed(3)
+        accelerator = Accelerator(cpu=True, dataloader_config=_config())
+        plain = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, num_workers=2)
+        return accelerator, accelerator.prepare(plain)
+
+    def epoch(loader: Any) -> list[float]:
+        return [v for batch in loader for v in batch[0].tolist()]
+
+    accelerator, loader = prepared()
+    ts.save(train_state(accelerator), tmp_path, step=0)
+    want = [epoch(loader), epoch(loader)]
+    assert want[0] != want[1] and sorted(want[0]) == sorted(want[1])
+    del accelerator, loader
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, loader = prepared()
+    ts.load(train_state(accelerator), tmp_path)
+    assert [epoch(loader), epoch(loader)] == want

@@ -177,15 +177,44 @@ class _Dataloaders:
                     f"has {self.accelerator.num_processes}: its shard's position means nothing "
                     "here. Resume on as many processes, or restore with level='training'"
                 )
-            dl.load_state_dict(saved["state"])
-            # Start the resumed iterator now, while the RNG is not yet restored (a TrainState
-            # restores it last): starting one draws from torch's generator, which the
-            # uninterrupted run did at the start of the epoch, not at this step.
-            dl.base_dataloader.state_dict()
+            if not _already_there(dl, saved):
+                dl.load_state_dict(saved["state"])
+                # Start the resumed iterator now, while the RNG is not yet restored (a
+                # TrainState restores it last): starting one draws from torch's generator,
+                # which the uninterrupted run did at the start of the epoch, not at this step.
+                dl.base_dataloader.state_dict()
             if hasattr(dl, "iteration"):
                 dl.iteration = saved["epoch"]
             if saved["seed"] is not None:
                 _sampler(dl).initial_seed = saved["seed"]
+
+
+def _already_there(dl: Any, saved: Mapping[str, Any]) -> bool:
+    """Whether ``dl`` is a fresh loader and ``saved`` the state of one that had yielded nothing
+    in the same epoch: loading it would change nothing but the order, so ``dl`` is left as it
+    is. O(1): no worker is asked anything.
+
+    accelerate starts a prepared loader's iterator when it creates the loader (for its state),
+    with workers drawing the first batches' indices from the sampler it was given, before it
+    puts its seedable sampler in; the uninterrupted run's first epoch is that order. A restored
+    iterator draws from the seedable sampler: another order, which no saved state can bring
+    back. The fresh loader's own iterator draws what the uninterrupted one drew when the resumed
+    run prepares its loaders as the first run did (the same seed set before ``prepare``: that
+    first order is drawn from torch's generator then, and recorded nowhere), and it was started
+    before the RNG is restored, so the loop's ``iter()`` draws nothing."""
+    base = dl.base_dataloader
+    fresh = base._iterator is not None and bool(base._initial_iter_for_state_dict)
+    return fresh and _unstarted(saved["state"]) and saved["epoch"] == getattr(dl, "iteration", 0)
+
+
+def _unstarted(state: Mapping[str, Any]) -> bool:
+    """Whether a torchdata loader state is that of an iterator that has yielded nothing."""
+    if state.get("_iterator_finished"):
+        return False
+    if "_snapshot" in state:  # with workers
+        snapshot = state["_snapshot"]
+        return bool(snapshot.get("_snapshot_step") == 0 and state["_steps_since_snapshot"] == 0)
+    return bool(state.get("_num_yielded") == 0)
 
 
 def _iterating(dl: Any) -> bool:
