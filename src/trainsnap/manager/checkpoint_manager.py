@@ -382,7 +382,7 @@ class CheckpointManager:
             if self.options.progress_seconds <= 0:
                 # Every step asked for: written here, so that a kill loses no record and the
                 # restart log's lost work is exact (one small store write a step).
-                record()
+                lease.record_progress(self.storage, generation, step)
                 self._last_progress = now
             elif self._housekeeper.submit("recording progress", record, wait=False):
                 self._last_progress = now
