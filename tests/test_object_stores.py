@@ -57,14 +57,10 @@ def _take_rounds(
     return per_root
 
 
-def _owners(storage: Storage) -> dict[int, int]:
-    import json
-
-    owners = {}
-    for key in storage.list("lease/"):
-        if key.startswith("lease/gen-"):
-            owners[int(key.removeprefix("lease/gen-"))] = json.loads(storage.get(key))["pid"]
-    return owners
+def _stored_generations(storage: Storage) -> set[int]:
+    """The generations whose lease files the root still lists."""
+    prefix = "lease/gen-"
+    return {int(k.removeprefix(prefix)) for k in storage.list("lease/") if k.startswith(prefix)}
 
 
 @pytest.mark.s3
@@ -126,10 +122,11 @@ def _check_concurrent_takes(roots: list[tuple[str, dict[str, str], Storage]], ro
     )
     for index, (url, _, storage) in enumerate(roots):
         _check_one_writer_per_round([results[rank][index] for rank in range(TAKERS)], rounds, url)
-        # The newest generations still stored name the process that took each.
-        owners = _owners(storage)
-        assert owners, f"{url}: no generation left on the root"
-        assert len(set(owners.values())) <= TAKERS
+        # The generations still stored are ones the takers won, no others (listed only: the
+        # test's own client, opened before the takers ran, is not asked to read again).
+        taken = {g for rank in range(TAKERS) for g, _ in results[rank][index] if g != "error"}
+        stored = _stored_generations(storage)
+        assert stored and stored <= taken, (url, sorted(stored), sorted(taken))
         assert list(storage.list("lease/probe-")) == []
 
 
