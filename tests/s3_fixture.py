@@ -15,6 +15,7 @@ same way; :func:`az_root` and :func:`gcs_root` give a fresh ``az://`` or ``gs://
 from __future__ import annotations
 
 import json
+import os
 import urllib.parse
 import urllib.request
 import uuid
@@ -173,7 +174,12 @@ def gcs_put(endpoint: str, name: str, data: bytes) -> None:
 
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
-    """Start fake-gcs-server with one bucket; yield its URL."""
+    """Start fake-gcs-server with one bucket; yield its URL. Opt-in (``TRAINSNAP_TEST_GCS=1``):
+    in a long test process, gcsfs's requests to this emulator were seen to stall 30-60 s each
+    (retrying) while a fresh process reached the same server at once; until that is understood
+    the gs:// tests run on demand, not in every run."""
+    if os.environ.get("TRAINSNAP_TEST_GCS") != "1":
+        pytest.skip("gs:// tests are opt-in: TRAINSNAP_TEST_GCS=1 (see the README's object stores)")
     gcs.use_plain_gcsfs()
     pytest.importorskip("gcsfs")
     try:
