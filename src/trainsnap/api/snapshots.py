@@ -208,8 +208,10 @@ def _newest_first(storage: Storage, comm: Comm) -> list[str]:
     finally:
         session.close()
     if not ids:
+        by = comm.coordinator
+        where = "" if comm.is_coordinator else f" (found by the coordinator, rank {by})"
         raise NotFoundError(
-            f"no committed snapshot in {storage.url}; save one first, or check the root",
+            f"no committed snapshot in {storage.url}; save one first, or check the root{where}",
             path=storage.url,
         )
     return ids
