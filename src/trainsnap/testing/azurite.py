@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from trainsnap.testing.harness import free_port
-from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail
+from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail, stop
 
 AZURITE_VERSION = "3.35.0"
 """The npm package's version: the newest whose engines accept Node.js 20 (3.36 asks for 21,
@@ -139,13 +139,8 @@ class AzuriteBlob:
 
     def __exit__(self, *exc: object) -> None:
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        if process is not None:
+            stop(process, STOP_TIMEOUT)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -223,12 +223,13 @@ def wait_for_bucket(
     )
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT` seconds; returns once it exited."""
+def stop(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns once it exited. Every test
+    server's launcher stops its process this way."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=STOP_TIMEOUT)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
