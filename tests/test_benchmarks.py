@@ -245,3 +245,24 @@ def test_object_store(tmp_path: Path) -> None:
     assert_measured(out["results"], ["trainsnap", "dcp", "raw"], ["save", "load"])
     labels = [f"{op}: trainsnap/{other}" for op in ("save", "load") for other in ("DCP", "raw")]
     assert_verdicts(text, labels)
+
+
+def test_manager_step(tmp_path: Path) -> None:
+    text, out = run_benchmark("manager_step", tmp_path)
+    assert (out["idle_steps"], out["saving_steps"]) == (4, 4)  # a local save every 2 steps
+    assert out["idle_step_s"] > 0 and out["pause_s"] > 0 and out["memcpy_s"] > 0
+    assert "manager step: state=4 MiB" in text
+
+
+def test_compare_alternates_and_reports_every_number(tmp_path: Path) -> None:
+    results = tmp_path / "compare.json"
+    command = [sys.executable, "-m", "benchmarks.compare", "WORKTREE", "WORKTREE"]
+    command += ["--rounds", "2", "--json", str(results), "--", "manager_step", "--smoke"]
+    command += ["--dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rounds = re.findall(r"^round (\d)/2: (old|new)", done.stdout, re.MULTILINE)
+    assert rounds == [("1", "old"), ("1", "new"), ("2", "new"), ("2", "old")]
+    numbers = json.loads(results.read_text())["numbers"]
+    assert numbers["saving_steps"] == {"old": 4.0, "new": 4.0, "new_over_old": 1.0}
+    assert numbers["pause_s"]["new"] > 0
