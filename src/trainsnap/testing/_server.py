@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
+from trainsnap.testing.harness import free_port
+
 READY_TIMEOUT = 60.0
 """Seconds to wait for a server to answer (they usually do within a few)."""
 
@@ -110,13 +112,19 @@ class Server:
         raise NotImplementedError
 
     def _command(self, binary: str, workdir: Path) -> list[str]:
-        """The command line, listening on a free port of 127.0.0.1 named in :attr:`endpoint`."""
+        """The command line, listening on a port of 127.0.0.1 given by :meth:`_listen`."""
         raise NotImplementedError
 
     def _probe(self) -> Callable[[], None]:
         """A request that succeeds once the server is up (called until it does; it raises one
         of :attr:`not_ready` before); made once per start, so that a client is set up once."""
         raise NotImplementedError
+
+    def _listen(self, port: int | None = None) -> int:
+        """``port`` of 127.0.0.1 (None: a free one) as the server's :attr:`endpoint`; returns it."""
+        port = free_port() if port is None else port
+        self.endpoint = f"http://127.0.0.1:{port}"
+        return port
 
     def _setup(self) -> None:
         """Before the start: what the server needs outside its directory (credentials)."""

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainsnap.testing._server import Server, ServerUnavailable, find_binary
-from trainsnap.testing.harness import free_port
 
 __all__ = [
     "ACCOUNT",
@@ -105,8 +104,7 @@ class AzuriteBlob(Server):
         return azurite_binary()
 
     def _command(self, binary: str, workdir: Path) -> list[str]:
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
+        port = self._listen()
         return [
             binary,
             "--blobHost",

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainsnap.testing._server import Server, ServerUnavailable
-from trainsnap.testing.harness import free_port
 
 __all__ = [
     "BUCKET",
@@ -92,8 +91,7 @@ class FakeGCS(Server):
         return fake_gcs_binary()
 
     def _command(self, binary: str, workdir: Path) -> list[str]:
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
+        port = self._listen()
         return [
             binary,
             "-backend",

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from trainsnap.testing._server import ServerUnavailable, find_binary
-from trainsnap.testing.harness import free_port
 from trainsnap.testing.s3 import FAKE_CREDENTIALS, S3Server
 
 __all__ = ["RcloneS3", "ServerUnavailable", "rclone_binary"]
@@ -41,8 +40,7 @@ class RcloneS3(S3Server):
 
     def _command(self, binary: str, workdir: Path) -> list[str]:
         (workdir / "data" / self.bucket).mkdir(parents=True)
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
+        port = self._listen()
         keys = ",".join(
             FAKE_CREDENTIALS[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
         )

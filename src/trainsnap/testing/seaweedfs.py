@@ -91,7 +91,7 @@ class SeaweedS3(S3Server):
 
     def _command(self, binary: str, workdir: Path) -> list[str]:
         self._ports = ports = {name: free_port() for name in _PORTS}
-        self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        self._listen(ports["s3.port"])
         config = workdir / "identities.json"
         config.write_text(json.dumps(_identities()))
         (workdir / "data").mkdir()
