@@ -88,8 +88,9 @@ def stop(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) -> Non
 class Server:
     """A server program on loopback for the life of a ``with`` block; see the module's
     docstring. A launcher sets :attr:`name` and :attr:`title` and implements :meth:`_binary`,
-    :meth:`_command` (which also sets :attr:`endpoint`) and :meth:`_probe`; :meth:`_setup` and
-    :meth:`_cleanup` are for what it changes outside its directory."""
+    :meth:`_command` (its port from :meth:`_listen`, which sets :attr:`endpoint`) and
+    :meth:`_probe`; :meth:`_setup` and :meth:`_cleanup` are for what it changes outside its
+    directory."""
 
     name: ClassVar[str]
     """Names the temporary directory (``ts-<name>-...``) and the log (``<name>.log``)."""
