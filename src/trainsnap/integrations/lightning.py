@@ -13,7 +13,8 @@ objects no other snapshot uses -- only in the plug-in's own root, whatever a poi
 
 The pointer file is a valid ``torch.save`` archive: ``torch.load`` of it does not return a
 checkpoint but fails naming ``TrainsnapPointerFile`` (and, with ``weights_only=False``, says how
-to load it); trainsnap reads the pointer from a JSON record of the archive without unpickling.
+to load it); trainsnap reads the pointer from a JSON record of the archive without unpickling
+(:mod:`~trainsnap.integrations._lightning_pointer` reads and writes it).
 Lightning's own ``LightningModule.load_from_checkpoint`` reads files with ``torch.load``; use
 this module's :func:`load_from_checkpoint` instead::
 
@@ -27,14 +28,8 @@ as ``loss=nn.SmoothL1Loss()``) are refused, naming the key, unless pickled on op
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import os
-import secrets
-import stat
 import threading
-import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +42,20 @@ from trainsnap.engine.pool import shut_down_idle_pools
 from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
 from trainsnap.format import tree
 from trainsnap.format.values import PickleKeys, pickle_allowed
+from trainsnap.integrations._lightning_pointer import (
+    CheckpointNotFoundError,
+    TrainsnapPointerFile,
+    is_link,
+    join_path,
+    name_of,
+    parent_of,
+    path_exists,
+    path_text,
+    read_pointer,
+    remove_path,
+    same_root,
+    write_pointer,
+)
 from trainsnap.manager import collection
 from trainsnap.protocol import commit
 from trainsnap.state.capture import is_stateful
@@ -62,20 +71,10 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 log = logging.getLogger("trainsnap.integrations.lightning")
 
-POINTER_FORMAT = "trainsnap.pointer"
-POINTER_RECORD = "trainsnap_pointer.json"
-"""The archive record of a pointer file that holds the pointer as JSON."""
-POINTER_MAX_BYTES = 64 * 1024
-"""A pointer file (and its JSON record) larger than this is refused before it is read."""
 DEFAULT_ROOT = "trainsnap"
 """The root's folder next to the checkpoints when no root is given."""
 HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 """The checkpoint entries where Lightning puts the user's own objects."""
-
-
-class CheckpointNotFoundError(NotFoundError, FileNotFoundError):
-    """No checkpoint at the path Lightning asked for: a trainsnap ``NotFoundError`` that is also
-    the ``FileNotFoundError`` Lightning's ``CheckpointIO`` contract names."""
 
 
 class TrainsnapCheckpointIO(CheckpointIO):
@@ -140,12 +139,12 @@ class TrainsnapCheckpointIO(CheckpointIO):
                 f"storage options (endpoint_url...), got {type(storage_options).__name__}"
             )
         options = {**self.storage_options, **(storage_options or {})}
-        pointer = _text(path)
+        pointer = path_text(path)
         root = self._root_for(pointer)
         step = int(checkpoint.get("global_step", 0))
         save_options = SaveOptions(
             allow_pickle=self.allow_pickle,
-            meta={"lightning_path": _name(pointer), "epoch": checkpoint.get("epoch")},
+            meta={"lightning_path": name_of(pointer), "epoch": checkpoint.get("epoch")},
         )
         state = _with_hparams_checked(checkpoint, self.allow_pickle)
         kwargs: dict[str, Any] = {"step": step, "options": save_options, "no_dist": True}
@@ -189,16 +188,16 @@ class TrainsnapCheckpointIO(CheckpointIO):
         """Remove the file at ``path``; when it is a trainsnap pointer into this plug-in's root
         (not a link to one), also delete its snapshot and collect what no snapshot uses."""
         self.wait()  # the save of this path may still be in flight
-        pointer = _text(path)
-        if not _exists(pointer, self.storage_options):
+        pointer = path_text(path)
+        if not path_exists(pointer, self.storage_options):
             return
         owned = None
-        if not _is_link(pointer):
+        if not is_link(pointer):
             try:
                 owned = self._owned(pointer, self.storage_options)
             except IncompatibleError as e:
                 log.warning("removing %s, which is not a trainsnap pointer: %s", pointer, e)
-        _remove(pointer, self.storage_options)
+        remove_path(pointer, self.storage_options)
         if owned is not None:
             try:
                 self._drop(owned[0], owned[1], pointer, self.storage_options)
@@ -230,12 +229,12 @@ class TrainsnapCheckpointIO(CheckpointIO):
         """Point ``pointer`` at the committed snapshot; the snapshot it named before (Lightning
         overwrites ``last.ckpt``) is deleted when it is in this plug-in's root."""
         previous = None
-        if _exists(pointer, options) and not _is_link(pointer):
+        if path_exists(pointer, options) and not is_link(pointer):
             try:
                 previous = self._owned(pointer, options)
             except IncompatibleError:
                 previous = None  # a torch checkpoint overwritten: nothing of ours to drop
-        _write_pointer(pointer, root, snapshot_id, step, options)
+        write_pointer(pointer, root, snapshot_id, step, options)
         if previous is not None and previous[1] != snapshot_id:
             self._drop(previous[0], previous[1], pointer, options)
 
@@ -244,7 +243,7 @@ class TrainsnapCheckpointIO(CheckpointIO):
         warning) when it names another: trainsnap deletes and collects only in its own root."""
         root, snapshot_id = read_pointer(pointer, options)
         mine = self._root_for(pointer)
-        if _same_root(root, mine):
+        if same_root(root, mine):
             return mine, snapshot_id
         log.warning(
             "%s points into %s, not into this plug-in's root %s: its snapshot %s is left alone",
@@ -265,7 +264,7 @@ class TrainsnapCheckpointIO(CheckpointIO):
 
     def _root_for(self, pointer: str) -> Root:
         if self.root is None:
-            self.root = _join(_parent(pointer), DEFAULT_ROOT)
+            self.root = join_path(parent_of(pointer), DEFAULT_ROOT)
         return self.root
 
     def _committed(
@@ -338,223 +337,6 @@ def _hparam(value: Any, key: str, allow_pickle: PickleKeys) -> Any:
     if isinstance(value, list | tuple) and type(value) in (list, tuple):
         return type(value)(_hparam(v, f"{key}.{i}", allow_pickle) for i, v in enumerate(value))
     return value
-
-
-# -- pointer files ------------------------------------------------------------------------------
-
-
-class TrainsnapPointerFile:
-    """What ``torch.load`` of a pointer file unpickles: constructing it raises, saying how to
-    load the checkpoint the pointer names (``weights_only=True`` refuses the class by name)."""
-
-    def __init__(self, pointer: dict[str, Any]) -> None:
-        raise IncompatibleError(
-            "this .ckpt is a trainsnap pointer to snapshot "
-            f"{pointer.get('snapshot')} of root {pointer.get('root')}, not a Lightning "
-            "checkpoint: load it with trainsnap.integrations.lightning.load_from_checkpoint("
-            "MyModule, path), or with Trainer(plugins=[TrainsnapCheckpointIO()]).fit(..., "
-            "ckpt_path=path); trainsnap.read(root, snapshot) gives the checkpoint dict",
-            snapshot_id=str(pointer.get("snapshot")),
-        )
-
-
-class _TorchLoadRefusal:
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return TrainsnapPointerFile, (self.doc,)
-
-
-def _text(path: Any) -> str:
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    if text.startswith("file://"):
-        return text[len("file://") :]
-    return text
-
-
-def _is_url(text: str) -> bool:
-    return "://" in text
-
-
-def _parent(text: str) -> str:
-    if _is_url(text):
-        return text.rstrip("/").rsplit("/", 1)[0]
-    return os.path.dirname(text) or "."
-
-
-def _name(text: str) -> str:
-    return text.rstrip("/").rsplit("/", 1)[-1] if _is_url(text) else os.path.basename(text)
-
-
-def _join(parent: str, name: str) -> str:
-    return f"{parent.rstrip('/')}/{name}" if _is_url(parent) else os.path.join(parent, name)
-
-
-def _fs(text: str, options: dict[str, Any]) -> tuple[Any, str]:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(text, **options)
-    return fs, path
-
-
-def _exists(text: str, options: dict[str, Any]) -> bool:
-    if not _is_url(text):
-        return os.path.lexists(text)
-    fs, path = _fs(text, options)
-    return bool(fs.exists(path))
-
-
-def _is_link(text: str) -> bool:
-    return not _is_url(text) and os.path.islink(text)
-
-
-def _remove(text: str, options: dict[str, Any]) -> None:
-    if not _is_url(text):
-        os.unlink(text)
-        return
-    fs, path = _fs(text, options)
-    fs.rm_file(path)
-
-
-def _same_root(a: Root, b: Root) -> bool:
-    def norm(root: Root) -> str:
-        text = _text(root)
-        return text.rstrip("/") if _is_url(text) else os.path.realpath(text)
-
-    return norm(a) == norm(b)
-
-
-def _pointer_bytes(root: Root, snapshot_id: str, step: int, pointer: str) -> bytes:
-    """A ``torch.save`` archive whose pickle refuses to load as a checkpoint, with the pointer
-    as a JSON record beside it (the record is what trainsnap reads)."""
-    root_text = _text(root)
-    parent = _parent(pointer)
-    if _is_url(root_text) == _is_url(parent):
-        # Kept relative to the pointer when the root is next to it: the folder can move.
-        base = parent.rstrip("/") if _is_url(parent) else os.path.abspath(parent)
-        full = root_text.rstrip("/") if _is_url(root_text) else os.path.abspath(root_text)
-        if full.startswith(base + "/"):
-            root_text = full[len(base) + 1 :]
-    doc = {"format": POINTER_FORMAT, "root": root_text, "snapshot": snapshot_id, "step": step}
-    buffer = io.BytesIO()
-    torch.save(_TorchLoadRefusal(doc), buffer)
-    with zipfile.ZipFile(buffer, "a") as archive:
-        prefix = archive.namelist()[0].split("/", 1)[0]
-        archive.writestr(f"{prefix}/{POINTER_RECORD}", json.dumps(doc))
-    return buffer.getvalue()
-
-
-def _write_pointer(
-    pointer: str, root: Root, snapshot_id: str, step: int, options: dict[str, Any]
-) -> None:
-    """The pointer, atomically: a reader sees the old one, the new one, or none."""
-    data = _pointer_bytes(root, snapshot_id, step, pointer)
-    if _is_url(pointer):  # an object store's PUT is whole; fsspec's memory store too
-        fs, path = _fs(pointer, options)
-        fs.makedirs(fs._parent(path), exist_ok=True)
-        fs.pipe_file(path, data)
-        return
-    parent = _parent(pointer)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{_name(pointer)}.tmp-{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, pointer)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _read_bounded(text: str, options: dict[str, Any]) -> bytes:
-    """The bytes of the pointer file ``text``: a regular file of at most
-    :data:`POINTER_MAX_BYTES`, checked before reading; a FIFO or device is refused, never
-    waited on."""
-    if _is_url(text):
-        fs, path = _fs(text, options)
-        try:
-            info = fs.info(path)
-        except FileNotFoundError:
-            raise _not_found(text) from None
-        if info.get("type") != "file" or int(info.get("size") or 0) > POINTER_MAX_BYTES:
-            raise _not_a_pointer(text, f"a {info.get('type')} of {info.get('size')} bytes")
-        data = bytes(fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1))
-    else:
-        try:
-            fd = os.open(text, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except (FileNotFoundError, NotADirectoryError):
-            raise _not_found(text) from None
-        except IsADirectoryError:
-            raise _not_a_pointer(text, "a directory") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_a_pointer(text, "not a regular file (a FIFO, a device?)")
-            if st.st_size > POINTER_MAX_BYTES:
-                raise _not_a_pointer(text, f"{st.st_size} bytes")
-            data = f.read(POINTER_MAX_BYTES + 1)
-    if len(data) > POINTER_MAX_BYTES:
-        raise _not_a_pointer(text, f"more than {POINTER_MAX_BYTES} bytes")
-    return data
-
-
-def _pointer_doc(data: bytes) -> Any:
-    """The pointer's JSON document: the record of a pointer archive, or (pointers written by
-    earlier versions) the whole file. None when neither is there."""
-    if data.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                names = [n for n in archive.namelist() if n.endswith("/" + POINTER_RECORD)]
-                if len(names) != 1 or archive.getinfo(names[0]).file_size > POINTER_MAX_BYTES:
-                    return None
-                with archive.open(names[0]) as record:
-                    data = record.read(POINTER_MAX_BYTES + 1)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
-            return None
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-
-
-def read_pointer(pointer: Any, storage_options: dict[str, Any] | None = None) -> tuple[str, str]:
-    """(root, snapshot id) a checkpoint path points to. ``CheckpointNotFoundError`` when no file
-    is there; ``IncompatibleError`` when the file is not a pointer (a torch checkpoint, a FIFO,
-    a file over :data:`POINTER_MAX_BYTES`). O(size of the pointer), bounded."""
-    text = _text(pointer)
-    doc = _pointer_doc(_read_bounded(text, dict(storage_options or {})))
-    if not (
-        isinstance(doc, dict)
-        and doc.get("format") == POINTER_FORMAT
-        and isinstance(doc.get("root"), str)
-        and isinstance(doc.get("snapshot"), str)
-    ):
-        raise _not_a_pointer(text, "no trainsnap pointer in it (a torch.save checkpoint?)")
-    root = doc["root"]
-    if not (_is_url(root) or os.path.isabs(root)):
-        root = _join(_parent(text), root)
-    return root, doc["snapshot"]
-
-
-def _not_found(text: str) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(
-        f"Checkpoint file not found: {text}. Give the path of a .ckpt that "
-        "TrainsnapCheckpointIO saved (ckpt_path='last' finds the newest)",
-        path=text,
-    )
-
-
-def _not_a_pointer(text: str, why: str) -> IncompatibleError:
-    return IncompatibleError(
-        f"{text} is not a trainsnap checkpoint pointer ({why}); load a torch.save checkpoint "
-        "with Lightning's default CheckpointIO, or save it again through TrainsnapCheckpointIO",
-        path=text,
-    )
 
 
 def _map_location(checkpoint: Any, where: Any) -> Any:
@@ -632,8 +414,8 @@ class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        pointer = self.broadcast(_text(filepath))
-        root = self.broadcast(_text(self._trainsnap._root_for(pointer)))
+        pointer = self.broadcast(path_text(filepath))
+        root = self.broadcast(path_text(self._trainsnap._root_for(pointer)))
         step = int(checkpoint.get("global_step", 0))
         # Every rank saves its own DTensor shards; the coordinator commits.
         info = save(checkpoint, root, step=step, storage_options=self.storage_options)
@@ -651,7 +433,7 @@ class TrainsnapModelParallelStrategy(_ModelParallelStrategy):
         )
 
         root, snapshot_id = read_pointer(
-            self.broadcast(_text(checkpoint_path)), self.storage_options
+            self.broadcast(path_text(checkpoint_path)), self.storage_options
         )
         model = self.model
         assert model is not None, "load_checkpoint runs after the strategy set the model up"

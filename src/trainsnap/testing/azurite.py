@@ -16,16 +16,24 @@ why there is none.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
-from trainsnap.testing.harness import free_port
-from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail, stop
+from trainsnap.testing._server import Server, ServerUnavailable, find_binary
+
+__all__ = [
+    "ACCOUNT",
+    "ACCOUNT_KEY",
+    "AZURITE_VERSION",
+    "CONTAINER",
+    "AzuriteBlob",
+    "ServerUnavailable",
+    "azurite_binary",
+    "connection_string",
+]
 
 AZURITE_VERSION = "3.35.0"
 """The npm package's version: the newest whose engines accept Node.js 20 (3.36 asks for 21,
@@ -40,9 +48,6 @@ ACCOUNT_KEY = (
 
 CONTAINER = "trainsnap-test"
 
-READY_TIMEOUT = 60.0
-"""Seconds to wait for the blob service to answer (it usually does within a second or two)."""
-
 STOP_TIMEOUT = 1.0
 """Seconds between SIGTERM and SIGKILL on exit. Azurite stops at once when idle, but waits for
 clients' open keep-alive connections to close; its data is in memory and thrown away anyway."""
@@ -54,25 +59,12 @@ def azurite_binary() -> str:
     if shutil.which("node") is None:
         raise ServerUnavailable("no node on PATH: Azurite is a Node.js program (install node)")
     local = Path(sys.prefix) / "azurite" / "node_modules" / ".bin" / "azurite-blob"
-    found = shutil.which("azurite-blob")
-    for candidate in (local, Path(found) if found else None):
-        if candidate is None or not os.access(candidate, os.X_OK):
-            continue
-        try:
-            done = subprocess.run(
-                [str(candidate), "--version"], capture_output=True, timeout=60, check=False
-            )
-        except OSError as e:
-            raise ServerUnavailable(f"{candidate} does not run here: {e}") from e
-        if done.returncode == 0:
-            return str(candidate)
-        raise ServerUnavailable(
-            f"{candidate} --version exited with {done.returncode}: "
-            f"{done.stderr.decode(errors='replace').strip()[-500:]}"
-        )
-    raise ServerUnavailable(
+    return find_binary(
+        [local, shutil.which("azurite-blob")],
+        ["--version"],
         f"no azurite-blob: npm install --prefix .venv/azurite azurite@{AZURITE_VERSION} "
-        "(scripts/venv.sh does it)"
+        "(scripts/venv.sh does it)",
+        timeout=60,
     )
 
 
@@ -84,15 +76,17 @@ def connection_string(endpoint: str) -> str:
     )
 
 
-class AzuriteBlob:
+class AzuriteBlob(Server):
     """Azurite's blob service on loopback for the life of a ``with`` block; see the module's
     docstring."""
 
+    name = "azurite"
+    title = "Azurite"
+    stop_timeout = STOP_TIMEOUT
+
     def __init__(self, container: str = CONTAINER) -> None:
+        super().__init__()
         self.container = container
-        self.endpoint = ""
-        self._process: subprocess.Popen[bytes] | None = None
-        self._workdir: Path | None = None
 
     @property
     def connection_string(self) -> str:
@@ -106,12 +100,12 @@ class AzuriteBlob:
     def url(self, prefix: str) -> str:
         return f"az://{self.container}/{prefix}"
 
-    def __enter__(self) -> AzuriteBlob:
-        binary = azurite_binary()
-        self._workdir = Path(tempfile.mkdtemp(prefix="ts-azurite-"))
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
-        command = [
+    def _binary(self) -> str:
+        return azurite_binary()
+
+    def _command(self, binary: str, workdir: Path) -> list[str]:
+        port = self._listen()
+        return [
             binary,
             "--blobHost",
             "127.0.0.1",
@@ -124,56 +118,18 @@ class AzuriteBlob:
             "--disableTelemetry",
             "--silent",
         ]
-        log_path = self._workdir / "azurite.log"
-        try:
-            with log_path.open("wb") as log:
-                # cwd: anything it might still write lands in the directory removed on exit.
-                self._process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, cwd=self._workdir
-                )
-            wait_for_container(self.connection_string, self.container, self._process, log_path)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            stop(process, STOP_TIMEOUT)
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+    def _probe(self) -> Callable[[], None]:
+        """Create the container (or find it there)."""
+        from azure.core.exceptions import ResourceExistsError
+        from azure.storage.blob import BlobServiceClient
 
+        client = BlobServiceClient.from_connection_string(
+            self.connection_string, retry_total=0, connection_timeout=2, read_timeout=10
+        )
 
-def wait_for_container(
-    conn: str, container: str, process: subprocess.Popen[bytes], log: Path
-) -> None:
-    """Wait until the blob service at ``conn`` creates ``container`` (or finds it there).
-    Raises :class:`ServerUnavailable` if the process exits, ``TimeoutError`` after
-    :data:`READY_TIMEOUT` seconds."""
-    from azure.core.exceptions import ResourceExistsError
-    from azure.storage.blob import BlobServiceClient
+        def probe() -> None:
+            with contextlib.suppress(ResourceExistsError):
+                client.create_container(self.container)
 
-    client = BlobServiceClient.from_connection_string(
-        conn, retry_total=0, connection_timeout=2, read_timeout=10
-    )
-    deadline = time.monotonic() + READY_TIMEOUT
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerUnavailable(
-                f"{process.args!r} exited with {process.returncode}:\n{_log_tail(log)}"
-            )
-        try:
-            client.create_container(container)
-            return
-        except ResourceExistsError:
-            return
-        except Exception as e:  # not listening yet
-            last = e
-            time.sleep(0.1)
-    raise TimeoutError(
-        f"Azurite at {conn} not ready after {READY_TIMEOUT:.0f} s (last error: {last}):\n"
-        f"{_log_tail(log)}"
-    )
+        return probe

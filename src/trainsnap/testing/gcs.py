@@ -17,22 +17,26 @@ sets it (the fixture does, and processes started after inherit it).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
-import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from trainsnap.testing.harness import free_port
-from trainsnap.testing.seaweedfs import ServerUnavailable, _log_tail, stop
+from trainsnap.testing._server import Server, ServerUnavailable
+
+__all__ = [
+    "BUCKET",
+    "PROJECT",
+    "FakeGCS",
+    "ServerUnavailable",
+    "fake_gcs_binary",
+    "options",
+    "use_plain_gcsfs",
+]
 
 BUCKET = "trainsnap-test"
 PROJECT = "trainsnap-test"
-
-READY_TIMEOUT = 60.0
-"""Seconds to wait for the server to answer (it usually does within a second)."""
 
 
 def use_plain_gcsfs() -> None:
@@ -63,15 +67,17 @@ def fake_gcs_binary() -> str:
     return binary
 
 
-class FakeGCS:
+class FakeGCS(Server):
     """fake-gcs-server on loopback for the life of a ``with`` block; see the module's
     docstring."""
 
+    name = "fake-gcs"
+    title = "fake-gcs-server"
+    not_ready = (OSError,)  # not listening yet, or an HTTP error other than 409
+
     def __init__(self, bucket: str = BUCKET) -> None:
+        super().__init__()
         self.bucket = bucket
-        self.endpoint = ""
-        self._process: subprocess.Popen[bytes] | None = None
-        self._workdir: Path | None = None
 
     @property
     def options(self) -> dict[str, str]:
@@ -81,12 +87,12 @@ class FakeGCS:
     def url(self, prefix: str) -> str:
         return f"gs://{self.bucket}/{prefix}"
 
-    def __enter__(self) -> FakeGCS:
-        binary = fake_gcs_binary()
-        self._workdir = Path(tempfile.mkdtemp(prefix="ts-gcs-"))
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
-        command = [
+    def _binary(self) -> str:
+        return fake_gcs_binary()
+
+    def _command(self, binary: str, workdir: Path) -> list[str]:
+        port = self._listen()
+        return [
             binary,
             "-backend",
             "memory",
@@ -103,63 +109,28 @@ class FakeGCS:
             "-log-level",
             "warn",
         ]
-        log_path = self._workdir / "fake-gcs.log"
-        try:
-            with log_path.open("wb") as log:
-                self._process = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, cwd=self._workdir
-                )
-            wait_for_bucket(self.endpoint, self.bucket, self._process, log_path)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            stop(process)
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+    def _probe(self) -> Callable[[], None]:
+        """Create the bucket (or find it there)."""
+        body = f'{{"name": "{self.bucket}"}}'.encode()
+
+        def probe() -> None:
+            request = urllib.request.Request(
+                f"{self.endpoint}/storage/v1/b?project={PROJECT}",
+                data=body,
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5):
+                    return
+            except urllib.error.HTTPError as e:
+                if e.code != 409:  # 409: already there
+                    raise
+
+        return probe
 
 
 def options(endpoint: str) -> dict[str, str]:
     """gcsfs options for the emulator at ``endpoint``: anonymous, no credentials looked up."""
     return {"endpoint_url": endpoint, "token": "anon", "project": PROJECT}
-
-
-def wait_for_bucket(
-    endpoint: str, bucket: str, process: subprocess.Popen[bytes], log: Path
-) -> None:
-    """Wait until the server at ``endpoint`` creates ``bucket`` (or has it). Raises
-    :class:`ServerUnavailable` if the process exits, ``TimeoutError`` after
-    :data:`READY_TIMEOUT` seconds."""
-    body = f'{{"name": "{bucket}"}}'.encode()
-    deadline = time.monotonic() + READY_TIMEOUT
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerUnavailable(
-                f"{process.args!r} exited with {process.returncode}:\n{_log_tail(log)}"
-            )
-        request = urllib.request.Request(
-            f"{endpoint}/storage/v1/b?project={PROJECT}",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=5):
-                return
-        except urllib.error.HTTPError as e:
-            if e.code == 409:  # already there
-                return
-            last = e
-        except OSError as e:  # not listening yet
-            last = e
-        time.sleep(0.1)
-    raise TimeoutError(
-        f"fake-gcs-server at {endpoint} not ready after {READY_TIMEOUT:.0f} s "
-        f"(last error: {last}):\n{_log_tail(log)}"
-    )

