@@ -1,0 +1,208 @@
+"""Where the memory tier lives: nodes, their directories, partners, writer records.
+
+Pure of torch.distributed: the ranks' placement is gathered once over the control plane
+(:func:`gather_topology`) and everything else is derived from it alike on every rank.
+
+A node's directory is ``<root>/<job>/node-<n>``: ``job`` is a digest of the durable root's URL,
+so two jobs sharing a tmpfs never see each other's snapshots, and each node directory is a
+complete trainsnap root (``objects/``, ``snapshots/<id>/manifest.bin`` and ``COMMITTED``), which
+the ordinary load path reads. A rank reads and writes its own node's directory only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainsnap.errors import CommitFailedError, InvalidArgumentError
+from trainsnap.protocol import commit
+from trainsnap.protocol.control_plane import Comm
+from trainsnap.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+RECORD_KEY = "memory/writer"
+"""A node directory's writer record: the newest writer generation that took the node's memory
+tier over, and the snapshots present when it did."""
+
+
+def job_of(durable_url: str) -> str:
+    """The job's name in the memory tier: a digest of its durable root's URL."""
+    return hashlib.blake2b(durable_url.encode(), digest_size=8).hexdigest()
+
+
+def node_directory(root: str | os.PathLike[str], job: str, node: int) -> Path:
+    return Path(root) / job / f"node-{node}"
+
+
+def this_node(node: int | None) -> int:
+    """The node of this process: ``node`` if given, else torchrun's ``GROUP_RANK`` (or
+    ``NODE_RANK``), else 0."""
+    if node is not None:
+        return node
+    for var in ("GROUP_RANK", "NODE_RANK"):
+        raw = os.environ.get(var)
+        if raw is not None:
+            try:
+                return int(raw)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"environment variable {var}={raw!r} is not a node number; pass "
+                    "MemoryTier(node=...)"
+                ) from None
+    return 0
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Every rank's node and local rank, and the partner rule."""
+
+    nodes: tuple[int, ...]
+    """Node of each rank."""
+    locals: tuple[int, ...]
+    """Local rank of each rank."""
+    replicas: int
+    domains: tuple[int, ...] | None = None
+    coordinator: int = 0
+
+    @property
+    def ring(self) -> list[int]:
+        return sorted(set(self.nodes))
+
+    def ranks_on(self, node: int) -> list[int]:
+        """The ranks of ``node``, by local rank."""
+        ranks = [r for r, n in enumerate(self.nodes) if n == node]
+        return sorted(ranks, key=self.locals.__getitem__)
+
+    def leader(self, node: int) -> int:
+        """The rank that writes a node's manifest and marker: the coordinator on its node."""
+        if self.nodes[self.coordinator] == node:
+            return self.coordinator
+        return self.ranks_on(node)[0]
+
+    def _domain(self, node: int) -> int:
+        if self.domains is None or node >= len(self.domains):
+            return node
+        return self.domains[node]
+
+    def partners(self, node: int) -> list[int]:
+        """The nodes that keep copies of ``node``'s objects: the next ``replicas`` nodes in
+        ring order outside its failure domain, then (where too few are) the next ones in it."""
+        ring = self.ring
+        start = ring.index(node)
+        others = [ring[(start + i) % len(ring)] for i in range(1, len(ring))]
+        apart = [n for n in others if self._domain(n) != self._domain(node)]
+        near = [n for n in others if self._domain(n) == self._domain(node)]
+        return (apart + near)[: self.replicas]
+
+    def peer(self, rank: int, node: int) -> int:
+        """The rank of ``node`` that exchanges with ``rank``: the same local rank (modulo the
+        node's size)."""
+        ranks = self.ranks_on(node)
+        return ranks[self.locals[rank] % len(ranks)]
+
+    @property
+    def copies(self) -> int:
+        return min(1 + self.replicas, len(self.ring))
+
+    def targets(self, rank: int) -> list[int]:
+        """The ranks ``rank`` sends its objects to."""
+        return [self.peer(rank, p) for p in self.partners(self.nodes[rank])]
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks that send their objects to ``rank``."""
+        return [s for s in range(len(self.nodes)) if rank in self.targets(s)]
+
+
+def gather_topology(
+    comm: Comm, node: int, replicas: int, domains: Sequence[int] | None, generation: int | None
+) -> tuple[Topology, int]:
+    """(all ranks, at the same point) every rank's node and local rank; the coordinator's
+    writer generation. One gather and one broadcast on the control plane."""
+    mine = (node, local_rank())
+    session = comm.session("memory-topology")
+    try:
+        said = session.gather("where", mine)
+        decided = None
+        if said is not None:
+            decided = ([n for n, _ in said], [lr for _, lr in said], generation or 0)
+        nodes, locals_, gen = session.broadcast("topology", decided)
+    finally:
+        session.close()
+    doms = tuple(domains) if domains is not None else None
+    topology = Topology(tuple(nodes), tuple(locals_), replicas, doms, comm.coordinator)
+    return topology, int(gen)
+
+
+# -- the writer record -----------------------------------------------------------------------------
+
+
+def read_record(storage: Storage) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(storage.get(RECORD_KEY))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        log.warning("the memory tier's writer record in %s is unreadable: replaced", storage.url)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def take_over(storage: Storage, job: str, generation: int) -> set[str]:
+    """(one rank per node, at start) Record that ``generation`` now writes this node's memory
+    tier, with the committed snapshots present; returns them. ``CommitFailedError`` when a newer
+    generation has taken it over (this job was superseded)."""
+    record = read_record(storage)
+    if record is not None and int(record.get("generation", 0)) > generation:
+        raise CommitFailedError(
+            f"the memory tier {storage.url} was taken over by writer generation "
+            f"{record.get('generation')}, newer than this job's ({generation}): a newer job "
+            "runs; stop this process"
+        )
+    present = {c.snapshot_id for c in commit.list_committed(storage)}
+    if record is not None and int(record.get("generation", 0)) == generation:
+        present |= set(record.get("present", ()))
+    doc = {"job": job, "generation": generation, "present": sorted(present)}
+    storage.put(RECORD_KEY, json.dumps(doc).encode())
+    return present
+
+
+def check_writer(storage: Storage, generation: int) -> None:
+    """Raise ``CommitFailedError`` unless ``generation`` is still the newest writer of this node's
+    memory tier (asked before each marker)."""
+    record = read_record(storage)
+    newest = int(record.get("generation", 0)) if record else 0
+    if newest > generation:
+        raise CommitFailedError(
+            f"this writer (generation {generation}) was superseded by generation {newest} on the "
+            f"memory tier {storage.url}: the snapshot is not committed there; stop this process"
+        )
+
+
+def refusal(marker_writer: Any, job: str, generation: int, present: set[str], sid: str) -> str:
+    """Why a memory snapshot must not be restored ('' when it may be): another job's, or an
+    older writer generation's written after a newer one took over (not among ``present``)."""
+    writer = marker_writer if isinstance(marker_writer, dict) else {}
+    if writer.get("job") != job:
+        return f"written by another job ({writer.get('job')!r}, this job is {job!r})"
+    written_by = writer.get("generation")
+    if not isinstance(written_by, int) or isinstance(written_by, bool):
+        return "its marker names no writer generation"
+    if written_by > generation:
+        return f"written by writer generation {written_by}, newer than this job's {generation}"
+    if written_by < generation and sid not in present:
+        return (
+            f"written by writer generation {written_by} after generation {generation} took the "
+            "memory tier over (a superseded job kept writing)"
+        )
+    return ""
