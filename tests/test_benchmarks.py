@@ -216,6 +216,34 @@ def test_compression(tmp_path: Path) -> None:
     assert_verdicts(text, ["fp32 weights bytegroup+zstd: stored/raw"])
 
 
+def test_memory_tier(tmp_path: Path) -> None:
+    text, out = run_benchmark("memory_tier", tmp_path)
+    forms = {form["name"]: form for form in out["forms"]}
+    assert set(forms) == {"2 nodes", "1 process"}
+    for name, form in forms.items():
+        for figure in ("copy_s", "step_none_s", "step_memory_s", "restore_memory_s"):
+            assert math.isfinite(form[figure]) and form[figure] > 0, (name, figure)
+        assert form["restore_durable_s"] > 0
+        steps = out["config"]["steps"] * out["config"]["reps"]
+        assert all(saved == steps + 1 for saved in form["saved"]), form["saved"]  # + warm-up
+        assert all(skipped == 0 for skipped in form["skipped"])
+        for sources in form["sources"]:  # the memory restore read the node's own memory only
+            assert sources["memory"]["memory (this node)"] > 0, sources
+            assert sources["memory"]["memory (partner node)"] == 0, sources
+    assert_verdicts(
+        text,
+        [
+            f"{name}: {figure}"
+            for name in forms
+            for figure in (
+                "extra step time / one memory copy",
+                f"extra step time, % of a step {out['config']['factor']:g}x the copy",
+                "restore durable (disk, cold) / memory",
+            )
+        ],
+    )
+
+
 def test_no_sys_path() -> None:
     """The benchmarks are a package run with ``-m``: none of them edits ``sys.path``."""
     sources = sorted((REPO / "benchmarks").rglob("*.py"))
