@@ -311,12 +311,14 @@ class CheckpointManager:
                     continue
                 self._last_save_step, self._last_save_time = info.step, time.monotonic()
                 self._restored_at = time.monotonic()
+                sources = self._all_sources(info) if name == "memory" else {}
                 self._record(
                     "restore",
                     snapshot=info.id,
                     step=info.step,
                     level=info.level,
                     tier=name,
+                    sources=sources,
                     seconds=time.perf_counter() - started,
                     since_start=time.time() - _PROCESS_START,
                 )
@@ -329,6 +331,20 @@ class CheckpointManager:
                 "above for each one's damage"
             )
         return None
+
+    def _all_sources(self, info: SnapshotInfo) -> dict[str, int]:
+        """(all ranks) Where every rank's restored bytes came from, summed (coordinator; {}
+        elsewhere): the restart log says whether a node took its shards from partners."""
+        session = self.comm.session("restore-sources")
+        try:
+            said = session.gather("sources", dict(info.sources))
+        finally:
+            session.close()
+        total: dict[str, int] = {}
+        for sources in said or ():
+            for where, nbytes in sources.items():
+                total[where] = total.get(where, 0) + int(nbytes)
+        return total
 
     def _log_restart(self) -> None:
         """(coordinator) One line on what this restart lost and how long it took."""
