@@ -87,7 +87,6 @@ def restore(
     started = time.perf_counter()
     manifest, marker = _ensure_manifest(mem, sid)
     needed = _needed(manifest, state, mem.comm.rank)
-    sizes = dict(zip(manifest.object_names, manifest.stored().tolist(), strict=True))
     received = 0
     attempts = 1 + mem.topology.copies if mem.topology else 2
     for attempt in range(attempts):
@@ -106,7 +105,7 @@ def restore(
                 timeout=timeout,
             )
         except TrainsnapError as e:
-            dropped = _drop_damaged(mem, e, sizes, needed)
+            dropped = _drop_damaged(mem, e, manifest, needed)
             if not _agree_retry(mem, e, dropped, attempt + 1 < attempts):
                 raise
             log.warning("memory snapshot %s: copies dropped, fetching others: %s", sid, dropped)
@@ -267,22 +266,41 @@ def _plan(
 
 
 def _drop_damaged(
-    mem: MemorySaves, error: BaseException, sizes: Mapping[str, int], needed: dict[str, int]
+    mem: MemorySaves,
+    error: BaseException,
+    manifest: Manifest,
+    needed: dict[str, int],
 ) -> list[str]:
-    """The objects a failed load found damaged or missing in this node's directory: the copy is
-    deleted (it is fetched again from another node) and the object added to ``needed``."""
-    dropped = []
+    """After a load that found an object of this node's directory damaged or missing: check
+    every object this rank needs there against its content address and delete the copies that
+    fail (they are fetched again from another node); the objects named are added to ``needed``.
+    Costs one read of the rank's objects, on this failure path only."""
+    sizes = dict(zip(manifest.object_names, manifest.stored().tolist(), strict=True))
+    named: list[str] = []
     seen = 0
     cause: BaseException | None = error
     while cause is not None and seen < 16:
         path = getattr(cause, "path", None)
         if isinstance(cause, CorruptError) and isinstance(path, str) and path[:8] == "objects/":
-            name = path.rsplit("/", 1)[-1]
-            if name in sizes:
-                mem.storage.delete(path)
-                needed[name] = sizes[name]
-                dropped.append(name)
+            named.append(path.rsplit("/", 1)[-1])
         cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    if not named:
+        return []
+    for name in named:
+        if name in sizes:
+            needed[name] = sizes[name]
+    dropped = []
+    hasher = manifest.hasher
+    for name in sorted(needed):
+        key = object_key(name)
+        try:
+            data = memoryview(mem.storage.get(key))
+        except FileNotFoundError:
+            dropped.append(name)
+            continue
+        if hasher.object_name(len(data), hasher.block_digests(data)) != name:
+            mem.storage.delete(key)
+            dropped.append(name)
     return dropped
 
 

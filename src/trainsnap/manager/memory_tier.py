@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainsnap import faults
 from trainsnap.engine.staging import StagingPool
 from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from trainsnap.format.checksums import Hasher
@@ -342,6 +343,7 @@ class MemorySaves:
             for (n, z), lacking in zip(offered[s], lacks[s], strict=True)
             if lacking
         ]
+        faults.point("replicate_objects")
         failed, _ = replication.move(transfers, rank, group, self._read, self._write, hasher)
         if failed:
             raise CommitFailedError(
@@ -516,11 +518,12 @@ def _shortfall(topology: Topology, said: list[Any], keep: int, directory: str) -
         need = (own[node] + copies) * (keep + 1)
         if need > room[node]:
             return (
-                f"the memory tier of node {node} cannot hold its snapshots: it needs {need} bytes "
-                f"({own[node]} of its ranks' state + {copies} of its partners' copies, x "
-                f"{keep + 1} for keep={keep} plus one in flight) and {room[node]} are free in "
-                f"its directory (this node's: {directory}). Fix: give the tmpfs more room "
-                "(mount -o remount,size=...), lower MemoryTier(keep=) or (replicas=), or point "
-                "MemoryTier(root=) at a larger RAM-backed directory"
+                f"the memory tier of node {node} cannot hold its snapshots: it needs {need} "
+                f"bytes ({own[node]} of its ranks' state + {copies} of its partners' copies, "
+                f"x {keep + 1} for keep={keep} plus one in flight) and {room[node]} are free "
+                f"or held by the snapshots they replace in its directory (this node's: "
+                f"{directory}). Fix: give the tmpfs more room (mount -o remount,size=...), "
+                "lower MemoryTier(keep=) or (replicas=), or point MemoryTier(root=) at a "
+                "larger RAM-backed directory"
             )
     return ""
