@@ -31,6 +31,11 @@ tier and durable ones (``interval``, preemption) are saved there too and then pr
 ``root`` in the background (objects, manifest, marker). Restore takes the newest snapshot that
 loads, whichever tier holds it, and falls back snapshot by snapshot and tier by tier. Only
 snapshots on ``root`` count as durable (:attr:`CheckpointManager.durable_step`).
+
+With ``memory=MemoryTier(...)``, snapshots go to the nodes' memory as often as every step,
+replicated to partner nodes, and durable saves promote the memory snapshot of their step
+(:mod:`trainsnap.manager.memory_tier`); restore tries a memory snapshot first where it is the
+newest (:mod:`trainsnap.manager.memory_restore`).
 """
 
 from __future__ import annotations
