@@ -169,9 +169,19 @@ def take_over(storage: Storage, job: str, generation: int) -> set[str]:
             f"{record.get('generation')}, newer than this job's ({generation}): a newer job "
             "runs; stop this process"
         )
-    present = {c.snapshot_id for c in commit.list_committed(storage)}
-    if record is not None and int(record.get("generation", 0)) == generation:
-        present |= set(record.get("present", ()))
+    committed = commit.list_committed(storage)
+    present = {c.snapshot_id for c in committed}
+    if record is not None:
+        # Only what the previous generation could restore: a superseded writer's marker that
+        # landed after that generation took over stays refused by every later one.
+        previous, trusted = int(record.get("generation", 0)), set(record.get("present", ()))
+        present = {
+            c.snapshot_id
+            for c in committed
+            if not refusal(c.marker.writer, job, previous, trusted, c.snapshot_id)
+        }
+        if previous == generation:
+            present |= trusted
     doc = {"job": job, "generation": generation, "present": sorted(present)}
     storage.put(RECORD_KEY, json.dumps(doc).encode())
     return present
