@@ -22,15 +22,20 @@ In each form, every rank:
    wait_if_busy=True)`` (a memory snapshot every step; a step whose predecessor's replication is
    still in flight waits for it, so no snapshot is skipped), the order alternating between
    repetitions; the durable interval never fires. Reported per repetition: the median step
-   time (compute plus ``mgr.step``) of the slowest rank. After one warm-up step (first save:
-   the footprint check, the checkpoint-data group) every timed step's snapshot is counted.
+   time (compute plus ``mgr.step``) of the slowest rank, and the CPU seconds its process used
+   per step (every thread: the tier's hashing, writing and copying included). The extra time
+   of a snapshot is taken per repetition (its memory steps less its steps with no snapshot, so
+   that a drift of the machine's load cancels), then the median over the repetitions. After
+   one warm-up step (first save: the footprint check, the checkpoint-data group) every timed
+   step's snapshot is counted.
 3. **Restores.** The manager closed, the same state is also saved to a durable root on disk
    (``ts.save``, fsynced). Each repetition restores, in an alternating order, with a fresh
    manager: from memory (``CheckpointManager(root, memory=...).restore``: the newest memory
    snapshot, read from the node's own directory) and from the durable root on disk
    (``CheckpointManager(disk_root).restore``, the page cache evicted before, as
    ``benchmarks._framework.system.evict`` does). Each destination is zeroed before and checked
-   bit for bit after (outside the timing).
+   bit for bit after (outside the timing). The disk's own limit is measured alongside: one
+   cold sequential read of the durable root's files (no checks, no placement).
 
 Targets (medians): the extra step time of a memory snapshot every step <= 1.2x one memory
 copy, <= 5% of a step ``--factor`` times the copy, and a restore from memory >= 3x faster than
@@ -42,7 +47,7 @@ The memory-tier directories are created under ``/dev/shm`` when it has room, els
 ``--dir``; the durable roots under ``--dir`` (default: the system's temporary directory). All
 are removed at the end.
 
-    python -m benchmarks.memory_tier                  # 256 MiB, 3 repetitions of 6 steps
+    python -m benchmarks.memory_tier                  # 256 MiB, 5 repetitions of 3 steps
     python -m benchmarks.memory_tier --mib 128 --reps 5 --json out.json
     python -m benchmarks.memory_tier --skip-single    # the 2-node form only
     python -m benchmarks.memory_tier --smoke          # tiny: does it run and verify?
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -72,6 +78,7 @@ from benchmarks._framework.system import (
     contention,
     cpu_times,
     evict,
+    iter_files,
     load_average,
     machine_info,
     percent,
@@ -134,6 +141,18 @@ def _copy_seconds(part: Tensors, world: int) -> list[float]:
     return times[1:]
 
 
+def _disk_read_seconds(directory: str) -> float:
+    """One cold sequential read of every file under ``directory`` (evicted first): the disk's
+    own rate for the bytes a durable restore reads."""
+    evict(directory)
+    start = time.perf_counter()
+    for path in iter_files(directory):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 * MiB):
+                pass
+    return time.perf_counter() - start
+
+
 def _manager(config: dict[str, Any], rank: int, *, memory: bool) -> ts.CheckpointManager:
     tier = None
     if memory:
@@ -150,13 +169,13 @@ def _manager(config: dict[str, Any], rank: int, *, memory: bool) -> ts.Checkpoin
 
 def _steps(
     compute: Compute, world: int, count: int, snapshot: Callable[[int], None] | None, first: int
-) -> tuple[list[float], list[float]]:
-    """``count`` steps (compute, then ``snapshot(step)`` if any): each step's time (slowest
-    rank) and the time ``snapshot`` blocked it."""
-    times, blocked = [], []
+) -> tuple[list[float], list[float], list[float]]:
+    """``count`` steps (compute, then ``snapshot(step)`` if any): each step's time, the time
+    ``snapshot`` blocked it and the CPU seconds of the process during it (slowest rank)."""
+    times, blocked, cpu = [], [], []
     for step in range(first, first + count):
         _barrier(world)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), _cpu_seconds()
         compute.step()
         middle = time.perf_counter()
         if snapshot is not None:
@@ -164,7 +183,15 @@ def _steps(
         end = time.perf_counter()
         times.append(_slowest(world, end - start))
         blocked.append(_slowest(world, end - middle))
-    return times, blocked
+        cpu.append(_slowest(world, _cpu_seconds() - start_cpu))
+    return times, blocked, cpu
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds this process used so far, every thread (the memory tier's background work
+    included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _time_steps(
@@ -186,12 +213,13 @@ def _time_steps(
             results.orders.append(order)
             for kind in order:
                 snapshot = (lambda s: mgr.step(s, state)) if kind == "memory" else None
-                times, blocked = _steps(compute, world, config["steps"], snapshot, step)
+                times, blocked, cpu = _steps(compute, world, config["steps"], snapshot, step)
                 step += config["steps"]
                 mgr.wait()  # nothing of this part drains into the next one
                 _barrier(world)
                 results.add(kind, "step", median(times))
                 results.add(kind, "blocked", median(blocked))
+                results.add(kind, "cpu", median(cpu))
         assert mgr.memory is not None
         counts = {"saved": mgr.memory.saved, "skipped": mgr.memory.skipped}
     finally:
@@ -248,7 +276,15 @@ def _time_restores(
             results.add(kind, "restore", seconds)
             if kind == "durable":
                 resident.append(fraction)
-    return {"results": results, "resident": resident, "sources": sources}
+    read_s = _disk_read_seconds(config["disk"]) if rank == 0 else math.nan
+    disk_bytes = sum(p.stat().st_size for p in iter_files(config["disk"]))
+    return {
+        "results": results,
+        "resident": resident,
+        "sources": sources,
+        "disk_read_s": read_s,
+        "disk_bytes": disk_bytes,
+    }
 
 
 def _node(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +352,13 @@ def summarize(
     restores: Measurements = first["restores"]["results"]
     copy_s = median(first["copy_s"])
     none_s, memory_s = steps.median("none", "step"), steps.median("memory", "step")
-    extra = memory_s - none_s
+    # Per repetition, its memory steps against its own steps with no snapshot (a drift of the
+    # machine's load between repetitions cancels), then the median over the repetitions.
+    pairs = zip(steps.series("memory", "step"), steps.series("none", "step"), strict=True)
+    extra = median([with_snapshot - without for with_snapshot, without in pairs])
+    cpu_pairs = zip(steps.series("memory", "cpu"), steps.series("none", "cpu"), strict=True)
+    extra_cpu = median([with_snapshot - without for with_snapshot, without in cpu_pairs])
+    restores_info = first["restores"]
     memory_restore = restores.median("memory", "restore")
     durable_restore = restores.median("durable", "restore")
     return {
@@ -329,6 +371,10 @@ def summarize(
         "step_memory_s": memory_s,
         "blocked_s": steps.median("memory", "blocked"),
         "extra_s": extra,
+        "extra_cpu_s": extra_cpu,
+        "extra_cpu_over_copy": extra_cpu / copy_s,
+        "disk_read_s": restores_info["disk_read_s"],
+        "disk_bytes": restores_info["disk_bytes"],
         "extra_over_copy": extra / copy_s,
         "extra_percent_of_step": 100 * extra / (config["factor"] * copy_s),
         "step_over_copy": none_s / copy_s,
@@ -399,12 +445,22 @@ def _form_lines(form: dict[str, Any], factor: float) -> list[str]:
         ["step, no snapshot", ms * form["step_none_s"], f"{form['step_over_copy']:.1f}x the copy"],
         ["step, memory snapshot every step", ms * form["step_memory_s"], ""],
         ["  of which mgr.step blocked", ms * form["blocked_s"], ""],
-        ["extra per step", ms * form["extra_s"], ""],
+        ["extra per step", ms * form["extra_s"], "median over repetitions of memory - none"],
+        [
+            "extra CPU per step (a rank's process)",
+            ms * form["extra_cpu_s"],
+            f"{form['extra_cpu_over_copy']:.1f}x the copy: the tier's background work",
+        ],
         ["restore from memory", ms * form["restore_memory_s"], "own node's directory"],
         [
             "restore from the durable root (disk)",
             ms * form["restore_durable_s"],
             f"cold: resident before {', '.join(percent(f) for f in form['resident']) or 'n/a'}",
+        ],
+        [
+            "the disk's cold read of the same files",
+            ms * form["disk_read_s"],
+            f"{form['disk_bytes'] / MiB:.0f} MiB, one thread, no checks: the disk's limit",
         ],
     ]
     per_rep = "; ".join(
@@ -448,10 +504,10 @@ def report(out: dict[str, Any]) -> tuple[str, list[Check]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    arguments = cli.parser(__doc__, reps=3)
+    arguments = cli.parser(__doc__, reps=5)
     arguments.add_argument("--mib", type=float, default=256.0, help="state size (default 256)")
     arguments.add_argument(
-        "--steps", type=int, default=6, help="steps per repetition and case (default 6)"
+        "--steps", type=int, default=3, help="steps per repetition and case (default 3)"
     )
     arguments.add_argument(
         "--factor", type=float, default=25.0, help="compute step / one memory copy (default 25)"
