@@ -257,6 +257,17 @@ def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
     assert out["resume"]["losses_equal"] and out["resume"]["level"] == "strict"
     assert out["collective"] == {"backend": "gloo", "world": 2, "bitwise": True}
     assert "== GPU check (CPU dry run)" in text and out["pause"]["pause_s"] > 0
+    memory = out["memory"]
+    assert memory["restored_bitwise"] and memory["copy_s"] > 0
+    assert len(memory["medians"]["none"]) == len(memory["medians"]["memory"]) == 1
+    assert_verdicts(
+        text,
+        [
+            "memory snapshot: extra step / one copy",
+            "memory snapshot: extra step / one copy, % of the step",
+            "memory tier restore bitwise",
+        ],
+    )
 
 
 @pytest.mark.s3
