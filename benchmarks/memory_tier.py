@@ -7,9 +7,12 @@ shards):
 
 - **2 nodes**: 2 spawned processes (gloo, ``trainsnap.testing.run_ranks``), each a simulated
   node with its own memory-tier directory (``ts.MemoryTier(root=<its directory>, node=<rank>)``,
-  one copy of each node's objects on the other node: ``replicas=1``), each on
-  ``cpus / 2`` intra-op threads;
-- **1 process**: one process, no process group, one node (no partner).
+  one copy of each node's objects on the other node: ``replicas=1``);
+- **1 process**: one spawned process, no process group, one node (no partner).
+
+Every process computes on one intra-op thread: on a machine whose cores other work shares, a
+parallel copy or matmul waits for its slowest thread, and the figures would measure the
+scheduler.
 
 In each form, every rank:
 
@@ -316,7 +319,6 @@ def run_form(name: str, world: int, args: Any, base: Path, memory_base: Path) ->
     """One form (2 nodes or 1 process): every rank's :func:`_node`, and its summary."""
     memory_root = Path(tempfile.mkdtemp(prefix=f"trainsnap-memory-{world}-", dir=memory_base))
     work = Path(tempfile.mkdtemp(prefix=f"trainsnap-memory-bench-{world}-", dir=base))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     config = {
         "mib": args.mib,
         "seed": args.seed,
@@ -324,7 +326,7 @@ def run_form(name: str, world: int, args: Any, base: Path, memory_base: Path) ->
         "steps": args.steps,
         "factor": args.factor,
         "matmul": 256 if args.smoke else 512,
-        "threads": max(1, (cpus or 1) // world),
+        "threads": 1,
         "memory_root": str(memory_root),
         "durable": str(work / "durable"),
         "disk": str(work / "disk"),
@@ -332,11 +334,9 @@ def run_form(name: str, world: int, args: Any, base: Path, memory_base: Path) ->
     }
     print(f"form {name}: {world} rank(s), memory tier under {memory_root}", flush=True)
     try:
-        if world == 1:
-            per_rank = [_node(0, 1, config)]
-        else:
-            results = run_ranks(_node, world, args=(config,), timeout=900, rendezvous="tcp")
-            per_rank = assert_all_ok(results)
+        init = {"init_pg": False} if world == 1 else {"rendezvous": "tcp"}
+        results = run_ranks(_node, world, args=(config,), timeout=900, **init)
+        per_rank = assert_all_ok(results)
     finally:
         shutil.rmtree(memory_root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
