@@ -89,6 +89,31 @@ def _paths(record: list[str]) -> Any:
     return hook
 
 
+def _classify(touched: list[str], memory_root: str, node_dir: str) -> tuple[int, list[str]]:
+    """(paths touched in this node's directory, paths touched in another node's)."""
+    root = os.path.realpath(memory_root)
+    mine = os.path.realpath(node_dir) + os.sep
+    inside = [os.path.realpath(p) for p in touched]
+    inside = [p for p in inside if p.startswith(root + os.sep)]
+    own = [p for p in inside if (p + os.sep).startswith(mine)]
+    foreign = [p for p in inside if "/node-" in p[len(root) :] and p not in own]
+    return len(own), foreign
+
+
+def test_the_audit_of_paths_sees_another_nodes_directory(tmp_path):
+    touched: list[str] = []
+    hook = _paths(touched)
+    for node in (0, 1):
+        (tmp_path / "job" / f"node-{node}").mkdir(parents=True)
+    hook("os.listdir", (str(tmp_path / "job" / "node-0"),))
+    hook("open", (str(tmp_path / "job" / "node-0" / "x"), "r", 0))
+    hook("os.mkdir", (str(tmp_path / "job"), 0o777, None))
+    assert _classify(touched, str(tmp_path), str(tmp_path / "job" / "node-0")) == (2, [])
+    hook("os.scandir", (str(tmp_path / "job" / "node-1"),))
+    own, foreign = _classify(touched, str(tmp_path), str(tmp_path / "job" / "node-0"))
+    assert own == 2 and foreign == [os.path.realpath(tmp_path / "job" / "node-1")]
+
+
 def _trainer(
     rank: int, world: int, out: str, tag: str, roots: dict[str, str], steps: tuple[int, int]
 ) -> None:
@@ -129,16 +154,7 @@ def _trainer(
     node_dir = str(mgr.memory.directory)
 
     def dump() -> None:
-        memory_root = os.path.realpath(roots["memory"])
-        mine = os.path.realpath(node_dir)
-        inside = [os.path.realpath(p) for p in touched]
-        inside = [p for p in inside if p.startswith(memory_root + os.sep)]
-        result["touched"] = len([p for p in inside if p.startswith(mine)])
-        result["foreign"] = [
-            p
-            for p in inside
-            if "/node-" in p[len(memory_root) :] and not (p + os.sep).startswith(mine + os.sep)
-        ]
+        result["touched"], result["foreign"] = _classify(touched, roots["memory"], node_dir)
         with open(os.path.join(out, f"{tag}-{rank}.json"), "w") as f:
             json.dump(result, f)
 
@@ -382,3 +398,24 @@ def test_another_jobs_or_a_superseded_writers_snapshots_are_never_restored(tmp_p
     with ts.CheckpointManager(tmp_path / "durable", memory=memory) as again:
         info = again.restore(fresh)
     assert info is not None and info.step == 2 and torch.equal(fresh["w"], _small(2)["w"])
+
+
+def test_a_memory_step_while_the_previous_save_is_in_flight_is_skipped_or_waits(tmp_path):
+    from trainsnap import faults
+
+    faults.install("before_marker=delay:0.3")
+    try:
+        for wait in (False, True):
+            memory = ts.MemoryTier(root=str(tmp_path / f"shm-{wait}"), wait_if_busy=wait)
+            with ts.CheckpointManager(tmp_path / f"durable-{wait}", memory=memory) as mgr:
+                saved = [mgr.step(step, _small(step)) for step in range(1, 7)]
+                assert mgr.memory is not None
+                skipped = mgr.memory.skipped
+            steps = [s.step for s in ts.list_snapshots(mgr.memory.storage)]
+            if wait:
+                assert saved == [True] * 6 and skipped == 0 and steps == [5, 6]
+            else:  # never queued: each save in flight makes the next steps skip
+                assert saved[0] and not all(saved) and skipped == saved.count(False)
+                assert steps[-1] == max(s for s, ok in zip(range(1, 7), saved, strict=True) if ok)
+    finally:
+        faults.clear()

@@ -240,6 +240,8 @@ class MemorySaves:
 
             def replicate() -> None:
                 self._replicate(sid, route, manifest, marker, hasher)
+                if self.is_leader:  # a superseded writer fails the vote everywhere
+                    check_writer(self.storage, self.generation)
 
             def failed(ranks: dict[int, str]) -> TrainsnapError:
                 return CommitFailedError(
@@ -255,7 +257,6 @@ class MemorySaves:
         error: TrainsnapError | None = None
         if self.is_leader:
             try:
-                check_writer(self.storage, self.generation)
                 if manifest is not None:  # the coordinator; the other leaders wrote theirs
                     self.storage.put(manifest_key(sid), manifest)
                 self.storage.put(marker_key(sid), self._marker_bytes)
