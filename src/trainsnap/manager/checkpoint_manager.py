@@ -508,6 +508,7 @@ class CheckpointManager:
         if metrics:
             opts.meta = {**opts.meta, "metrics": {str(k): float(v) for k, v in metrics.items()}}
         self.memory.save(tree, opts, promote=durable)
+        self._save_costs.append(self.memory.pause)  # what Young/Daly weigh: the blocking cost
         self._last_save_step, self._last_save_time = step, time.monotonic()
         if preempt:
             self.preempted = True

@@ -108,7 +108,10 @@ class MemorySaves:
         self._prefix = f"trainsnap-memory-{seq}"
         self._save_comm = _side_comm(comm, f"{self._prefix}/save")
         self._promote_comm = _side_comm(comm, f"{self._prefix}/promote")
-        self._store = comm.store.clone() if isinstance(comm, StoreComm) else None
+        self._store: Any = None
+        """A store client of the memory tier's own (the training thread's decisions)."""
+        if isinstance(comm, StoreComm):
+            self._store = comm.store.clone() if hasattr(comm.store, "clone") else comm.store
         self.topology: Topology | None = None
         self.generation = 0
         self.present: set[str] = set()
@@ -116,6 +119,8 @@ class MemorySaves:
         self.skipped = 0
         """Memory steps whose save was skipped because the previous one was in flight."""
         self.saved = 0
+        self.pause = 0.0
+        """Seconds the newest memory save blocked the caller (capture, plan, staging)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._decided = 0
@@ -182,6 +187,7 @@ class MemorySaves:
         namespace = f"{self._prefix}/reports/{opts.step}"
         route = SaveRoute(self.storage, self._store, namespace)
         pending = prepare_save(tree, route, opts, self.comm, pool=None if self.sync else self.pool)
+        self.pause = pending.pause
         try:
             if not self._footprint_checked:
                 self._check_footprint(pending)
