@@ -206,3 +206,30 @@ def refusal(marker_writer: Any, job: str, generation: int, present: set[str], si
             "memory tier over (a superseded job kept writing)"
         )
     return ""
+
+
+def shortfall(topology: Topology, said: list[Any], keep: int, directory: str) -> str:
+    """(coordinator) '' when every node's tmpfs holds its footprint, else the refusal.
+    ``said``: (bytes this rank writes, bytes free or held in its node's directory) by rank. The
+    footprint of a node: its ranks' bytes plus the copies it keeps of its partners', times
+    ``keep + 1`` (the kept snapshots and the one in flight)."""
+    own: dict[int, int] = {}
+    room: dict[int, int] = {}
+    for rank, (nbytes, free) in enumerate(said):
+        node = topology.nodes[rank]
+        own[node] = own.get(node, 0) + int(nbytes)
+        room[node] = int(free)
+    for node in topology.ring:
+        copies = sum(own[n] for n in topology.ring if node in topology.partners(n))
+        need = (own[node] + copies) * (keep + 1)
+        if need > room[node]:
+            return (
+                f"the memory tier of node {node} cannot hold its snapshots: it needs {need} "
+                f"bytes ({own[node]} of its ranks' state + {copies} of its partners' copies, "
+                f"x {keep + 1} for keep={keep} plus one in flight) and {room[node]} are free "
+                f"or held by the snapshots they replace in its directory (this node's: "
+                f"{directory}). Fix: give the tmpfs more room (mount -o remount,size=...), "
+                "lower MemoryTier(keep=) or (replicas=), or point MemoryTier(root=) at a "
+                "larger RAM-backed directory"
+            )
+    return ""
