@@ -419,3 +419,15 @@ def test_a_memory_step_while_the_previous_save_is_in_flight_is_skipped_or_waits(
                 assert steps[-1] == max(s for s, ok in zip(range(1, 7), saved, strict=True) if ok)
     finally:
         faults.clear()
+
+
+def test_partners_are_the_next_nodes_outside_the_failure_domain():
+    from trainsnap.manager.memory_nodes import Topology
+
+    three = Topology((0, 0, 1, 1, 2, 2), (0, 1, 0, 1, 0, 1), replicas=1)
+    assert [three.partners(n) for n in three.ring] == [[1], [2], [0]]
+    assert three.targets(1) == [3] and three.sources(1) == [5] and three.copies == 2
+    racks = Topology((0, 1, 2, 3), (0, 0, 0, 0), replicas=1, domains=(0, 0, 1, 1))
+    assert [racks.partners(n) for n in range(4)] == [[2], [2], [0], [0]]
+    two = Topology((0, 1), (0, 0), replicas=3)
+    assert two.partners(0) == [1] and two.copies == 2  # no more copies than nodes
