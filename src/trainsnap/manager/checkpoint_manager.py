@@ -187,8 +187,9 @@ class CheckpointManager:
         if self.comm.is_coordinator:
             self._start()
         if self.memory is not None and self.comm.is_coordinator:
-            self.memory.fence, self.memory.gate = self.durable.fence, self._gate
-            self.memory.on_promoted = lambda m, n: self._committed(0, self.durable, None, m, n)
+            promoter = self.memory.promoter
+            promoter.fence, promoter.gate = self.durable.fence, self._gate
+            promoter.on_promoted = lambda m, n: self._committed(0, self.durable, None, m, n)
         self._previous_handlers = self._install_signals(options.preemption_signals)
 
     # -- start, restore -------------------------------------------------------------------
@@ -524,6 +525,7 @@ class CheckpointManager:
         if metrics:
             opts.meta = {**opts.meta, "metrics": {str(k): float(v) for k, v in metrics.items()}}
         self.memory.save(tree, opts, promote=durable)
+        self._save_costs.append(self.memory.pause)  # what Young/Daly weigh: the blocking cost
         self._last_save_step, self._last_save_time = step, time.monotonic()
         if preempt:
             self.preempted = True

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,8 @@ def local_rank() -> int:
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """Every rank's node and local rank, and the partner rule."""
+    """Every rank's node and local rank, and the partner rule. Derived tables are built once:
+    a rank's exchanges cost O(nodes + its node's ranks), not O(world)."""
 
     nodes: tuple[int, ...]
     """Node of each rank."""
@@ -74,21 +75,34 @@ class Topology:
     replicas: int
     domains: tuple[int, ...] | None = None
     coordinator: int = 0
+    _by_node: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+    _ring: list[int] = field(init=False, repr=False, compare=False)
+    _partners: dict[int, list[int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_node: dict[int, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            by_node.setdefault(node, []).append(rank)
+        for ranks in by_node.values():
+            ranks.sort(key=self.locals.__getitem__)
+        object.__setattr__(self, "_by_node", by_node)
+        object.__setattr__(self, "_ring", sorted(by_node))
+        object.__setattr__(self, "_partners", {})
 
     @property
     def ring(self) -> list[int]:
-        return sorted(set(self.nodes))
+        """The nodes, in ring order."""
+        return self._ring
 
     def ranks_on(self, node: int) -> list[int]:
         """The ranks of ``node``, by local rank."""
-        ranks = [r for r, n in enumerate(self.nodes) if n == node]
-        return sorted(ranks, key=self.locals.__getitem__)
+        return self._by_node[node]
 
     def leader(self, node: int) -> int:
         """The rank that writes a node's manifest and marker: the coordinator on its node."""
         if self.nodes[self.coordinator] == node:
             return self.coordinator
-        return self.ranks_on(node)[0]
+        return self._by_node[node][0]
 
     def _domain(self, node: int) -> int:
         if self.domains is None or node >= len(self.domains):
@@ -98,22 +112,30 @@ class Topology:
     def partners(self, node: int) -> list[int]:
         """The nodes that keep copies of ``node``'s objects: the next ``replicas`` nodes in
         ring order outside its failure domain, then (where too few are) the next ones in it."""
-        ring = self.ring
-        start = ring.index(node)
-        others = [ring[(start + i) % len(ring)] for i in range(1, len(ring))]
-        apart = [n for n in others if self._domain(n) != self._domain(node)]
-        near = [n for n in others if self._domain(n) == self._domain(node)]
-        return (apart + near)[: self.replicas]
+        found = self._partners.get(node)
+        if found is None:
+            ring = self._ring
+            start = ring.index(node)
+            apart: list[int] = []
+            near: list[int] = []
+            for i in range(1, len(ring)):
+                other = ring[(start + i) % len(ring)]
+                same = self._domain(other) == self._domain(node)
+                (near if same else apart).append(other)
+                if len(apart) == self.replicas:
+                    break
+            found = self._partners[node] = (apart + near)[: self.replicas]
+        return found
 
     def peer(self, rank: int, node: int) -> int:
         """The rank of ``node`` that exchanges with ``rank``: the same local rank (modulo the
         node's size)."""
-        ranks = self.ranks_on(node)
+        ranks = self._by_node[node]
         return ranks[self.locals[rank] % len(ranks)]
 
     @property
     def copies(self) -> int:
-        return min(1 + self.replicas, len(self.ring))
+        return min(1 + self.replicas, len(self._ring))
 
     def targets(self, rank: int) -> list[int]:
         """The ranks ``rank`` sends its objects to."""
@@ -121,7 +143,14 @@ class Topology:
 
     def sources(self, rank: int) -> list[int]:
         """The ranks that send their objects to ``rank``."""
-        return [s for s in range(len(self.nodes)) if rank in self.targets(s)]
+        mine = self.nodes[rank]
+        return [
+            s
+            for node in self._ring
+            if mine in self.partners(node)
+            for s in self._by_node[node]
+            if self.peer(s, mine) == rank
+        ]
 
 
 def gather_topology(
@@ -215,4 +244,31 @@ def refusal(marker_writer: Any, job: str, generation: int, present: set[str], si
             f"written by writer generation {written_by} after generation {generation} took the "
             "memory tier over (a superseded job kept writing)"
         )
+    return ""
+
+
+def shortfall(topology: Topology, said: list[Any], keep: int, directory: str) -> str:
+    """(coordinator) '' when every node's tmpfs holds its footprint, else the refusal.
+    ``said``: (bytes this rank writes, bytes free or held in its node's directory) by rank. The
+    footprint of a node: its ranks' bytes plus the copies it keeps of its partners', times
+    ``keep + 1`` (the kept snapshots and the one in flight)."""
+    own: dict[int, int] = {}
+    room: dict[int, int] = {}
+    for rank, (nbytes, free) in enumerate(said):
+        node = topology.nodes[rank]
+        own[node] = own.get(node, 0) + int(nbytes)
+        room[node] = int(free)
+    for node in topology.ring:
+        copies = sum(own[n] for n in topology.ring if node in topology.partners(n))
+        need = (own[node] + copies) * (keep + 1)
+        if need > room[node]:
+            return (
+                f"the memory tier of node {node} cannot hold its snapshots: it needs {need} "
+                f"bytes ({own[node]} of its ranks' state + {copies} of its partners' copies, "
+                f"x {keep + 1} for keep={keep} plus one in flight) and {room[node]} are free "
+                f"or held by the snapshots they replace in its directory (this node's: "
+                f"{directory}). Fix: give the tmpfs more room (mount -o remount,size=...), "
+                "lower MemoryTier(keep=) or (replicas=), or point MemoryTier(root=) at a "
+                "larger RAM-backed directory"
+            )
     return ""

@@ -27,9 +27,8 @@ still in flight there means this step's memory save is skipped (counted, logged)
 rank on the checkpoint-data group runs on its one memory-save thread, one save at a time, in the
 same order on every rank.
 
-Durable saves promote the memory snapshot of their step (:meth:`MemorySaves.promote`) on a
-thread of their own, using the control plane only: each rank uploads the objects it wrote, then
-the coordinator writes the manifest, then the marker.
+Durable saves promote the memory snapshot of their step
+(:class:`~trainsnap.manager.memory_promotion.Promoter`).
 """
 
 from __future__ import annotations
@@ -37,19 +36,16 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
 import shutil
 import struct
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 from trainsnap import faults
 from trainsnap.engine.staging import StagingPool
 from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from trainsnap.format.checksums import Hasher
-from trainsnap.format.manifest import Manifest, manifest_key, marker_key, object_key
+from trainsnap.format.manifest import manifest_key, marker_key, object_key
 from trainsnap.format.marker import check_manifest_bytes, decode_marker
 from trainsnap.manager import collection
 from trainsnap.manager.memory_nodes import (
@@ -58,9 +54,11 @@ from trainsnap.manager.memory_nodes import (
     gather_topology,
     job_of,
     node_directory,
+    shortfall,
     take_over,
     this_node,
 )
+from trainsnap.manager.memory_promotion import Promoter
 from trainsnap.manager.memory_route import SaveRoute
 from trainsnap.manager.options import MemoryTier
 from trainsnap.protocol import commit, replication
@@ -108,7 +106,10 @@ class MemorySaves:
         self._prefix = f"trainsnap-memory-{seq}"
         self._save_comm = _side_comm(comm, f"{self._prefix}/save")
         self._promote_comm = _side_comm(comm, f"{self._prefix}/promote")
-        self._store = comm.store.clone() if isinstance(comm, StoreComm) else None
+        self._store: Any = None
+        """A store client of the memory tier's own (the training thread's decisions)."""
+        if isinstance(comm, StoreComm):
+            self._store = comm.store.clone() if hasattr(comm.store, "clone") else comm.store
         self.topology: Topology | None = None
         self.generation = 0
         self.present: set[str] = set()
@@ -116,14 +117,13 @@ class MemorySaves:
         self.skipped = 0
         """Memory steps whose save was skipped because the previous one was in flight."""
         self.saved = 0
+        self.pause = 0.0
+        """Seconds the newest memory save blocked the caller (capture, plan, staging)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._decided = 0
         self._footprint_checked = False
-        self._pinned: set[str] = set()
-        self._promotions: queue.Queue[tuple[str, dict[str, int]] | None] = queue.Queue(4)
-        self._promoter: threading.Thread | None = None
-        self.on_promoted: Callable[[Manifest, int], None] | None = None
+        self.promoter = Promoter(self.storage, durable, self._promote_comm)
         self.newest: str | None = None
 
     # -- start ----------------------------------------------------------------------------------
@@ -182,6 +182,7 @@ class MemorySaves:
         namespace = f"{self._prefix}/reports/{opts.step}"
         route = SaveRoute(self.storage, self._store, namespace)
         pending = prepare_save(tree, route, opts, self.comm, pool=None if self.sync else self.pool)
+        self.pause = pending.pause
         try:
             if not self._footprint_checked:
                 self._check_footprint(pending)
@@ -211,6 +212,7 @@ class MemorySaves:
 
     def raise_error(self) -> None:
         error, self._error = self._error, None
+        error = error or self.promoter.take_error()
         if error is not None:
             raise error
 
@@ -225,8 +227,7 @@ class MemorySaves:
             self._commit(sid, route, pending.hasher)
             self.saved += 1
             if promote:
-                self._pinned.add(sid)
-                self._promote_later(sid, dict(route.objects))
+                self.promoter.submit(sid, dict(route.objects))
         except BaseException as e:  # kept for the training thread
             log.error("memory snapshot %s was not committed: %s", sid, e)
             self._error = e
@@ -240,6 +241,8 @@ class MemorySaves:
 
             def replicate() -> None:
                 self._replicate(sid, route, manifest, marker, hasher)
+                if self.is_leader:  # a superseded writer fails the vote everywhere
+                    check_writer(self.storage, self.generation)
 
             def failed(ranks: dict[int, str]) -> TrainsnapError:
                 return CommitFailedError(
@@ -255,7 +258,6 @@ class MemorySaves:
         error: TrainsnapError | None = None
         if self.is_leader:
             try:
-                check_writer(self.storage, self.generation)
                 if manifest is not None:  # the coordinator; the other leaders wrote theirs
                     self.storage.put(manifest_key(sid), manifest)
                 self.storage.put(marker_key(sid), self._marker_bytes)
@@ -371,7 +373,7 @@ class MemorySaves:
         logged: it costs room, not a snapshot."""
         try:
             found = commit.list_committed(self.storage)
-            pinned = set(self._pinned)
+            pinned = self.promoter.pinned()
             doomed = [c for c in found[: -self.options.keep] if c.snapshot_id not in pinned]
             for c in doomed:
                 commit.delete_snapshot(self.storage, c.snapshot_id)
@@ -394,7 +396,7 @@ class MemorySaves:
             said = session.gather("bytes", (mine, usage.free + held))
             verdict = None
             if said is not None:
-                verdict = _shortfall(self.topology, said, self.options.keep, str(self.directory))
+                verdict = shortfall(self.topology, said, self.options.keep, str(self.directory))
             verdict = session.broadcast("verdict", verdict)
         finally:
             session.close()
@@ -402,128 +404,15 @@ class MemorySaves:
         if verdict:
             raise InvalidArgumentError(verdict, path=str(self.directory))
 
-    # -- promotion ------------------------------------------------------------------------------
-
-    def _promote_later(self, sid: str, objects: dict[str, int]) -> None:
-        if self._promoter is None:
-            self._promoter = threading.Thread(
-                target=self._promote_loop, name="trainsnap-memory-promote", daemon=True
-            )
-            self._promoter.start()
-        self._promotions.put((sid, objects))
-
-    def _promote_loop(self) -> None:
-        while True:
-            item = self._promotions.get()
-            try:
-                if item is None:
-                    return
-                self._promote(*item)
-            except BaseException as e:
-                log.error("promotion of memory snapshot %s failed: %s", item and item[0], e)
-                if self._error is None:
-                    self._error = e
-            finally:
-                if item is not None:
-                    self._pinned.discard(item[0])
-                self._promotions.task_done()
-
-    def _promote(self, sid: str, objects: dict[str, int]) -> None:
-        """(all ranks) upload the objects this rank wrote; (coordinator) then the manifest,
-        then the marker."""
-        comm = self._promote_comm
-        uploaded = [0]
-
-        def upload() -> None:
-            for name, size in sorted(objects.items()):
-                key = object_key(name)
-                try:
-                    if self.durable.stat(key) == size:
-                        continue
-                except FileNotFoundError:
-                    pass
-                self.durable.put(key, self.storage.get(key))
-                uploaded[0] += size
-
-        def commit_durable(parts: list[Any]) -> bool:
-            assert self.fence is not None
-            self.fence()
-            data = self.storage.get(manifest_key(sid))
-            self.durable.put(manifest_key(sid), data)
-            doc = json.loads(self.storage.get(marker_key(sid)))
-            doc["writer"] = {"world_size": self.comm.world_size, "promoted_from": "memory"}
-            self.fence()
-            self.durable.put(marker_key(sid), json.dumps(doc, separators=(",", ":")).encode())
-            return True
-
-        def failed(ranks: dict[int, str]) -> TrainsnapError:
-            return CommitFailedError(
-                f"promotion of memory snapshot {sid} to {self.durable.url} failed on "
-                f"{len(ranks)} rank(s); it is not committed there",
-                snapshot_id=sid,
-                rank_errors=ranks,
-            )
-
-        started = time.perf_counter()
-        token = self.gate.begin() if self.gate is not None else 0
-        session = comm.session("promote")
-        try:
-            all_reduce(comm, session, "uploaded", upload, commit_durable, failed)
-        finally:
-            session.close()
-            if self.gate is not None:
-                self.gate.end(token)
-        if self.comm.is_coordinator:
-            log.info(
-                "promoted memory snapshot %s to %s in %.3f s",
-                sid,
-                self.durable.url,
-                time.perf_counter() - started,
-            )
-            if self.on_promoted is not None:
-                self.on_promoted(commit.open_snapshot(self.durable, sid), uploaded[0])
-
-    fence: Callable[[], None] | None = None
-    """(coordinator) Raises when this job no longer holds the durable root."""
-    gate: Any = None
-    """(coordinator) The manager's save gate: the durable collector waits for promotions."""
-
     def drain(self) -> None:
-        """Wait for the memory save in flight and every promotion queued."""
+        """Wait for the memory save in flight and every promotion queued; raise the first
+        error of either."""
         self.wait()
-        if self._promoter is not None:
-            self._promotions.join()
+        self.promoter.drain()
         self.raise_error()
 
     def close(self) -> None:
         try:
             self.drain()
         finally:
-            if self._promoter is not None:
-                self._promotions.put(None)
-                self._promoter.join()
-                self._promoter = None
-
-
-def _shortfall(topology: Topology, said: list[Any], keep: int, directory: str) -> str:
-    """(coordinator) '' when every node's tmpfs holds its footprint, else the refusal."""
-    own: dict[int, int] = {}
-    room: dict[int, int] = {}
-    for rank, (nbytes, free) in enumerate(said):
-        node = topology.nodes[rank]
-        own[node] = own.get(node, 0) + int(nbytes)
-        room[node] = int(free)
-    for node in topology.ring:
-        copies = sum(own[n] for n in topology.ring if node in topology.partners(n))
-        need = (own[node] + copies) * (keep + 1)
-        if need > room[node]:
-            return (
-                f"the memory tier of node {node} cannot hold its snapshots: it needs {need} "
-                f"bytes ({own[node]} of its ranks' state + {copies} of its partners' copies, "
-                f"x {keep + 1} for keep={keep} plus one in flight) and {room[node]} are free "
-                f"or held by the snapshots they replace in its directory (this node's: "
-                f"{directory}). Fix: give the tmpfs more room (mount -o remount,size=...), "
-                "lower MemoryTier(keep=) or (replicas=), or point MemoryTier(root=) at a "
-                "larger RAM-backed directory"
-            )
-    return ""
+            self.promoter.close()
