@@ -426,7 +426,7 @@ def _memory_contract(root: Path, memory: Path, failed: int | None) -> list[str]:
     for node in (0, 1):
         step, ok = _restore_as_node(root, memory, node)
         newest = max(held[node], default=None)
-        if step != newest or not ok:
+        if step != newest or not (ok or newest is None):  # nothing committed: nothing restores
             violations.append(f"node {node} restored step {step} (ok={ok}), newest is {newest}")
     return violations
 
@@ -461,7 +461,9 @@ def test_memory_tier_partner_lost_mid_copy(tmp_path):
         violations = [] if killed else [f"{fault} on rank {victim}: {results[victim].describe()}"]
         if survivor.value is None or survivor.value["error"] is None:
             violations.append(f"the survivor did not see the failure: {survivor.describe()}")
-        violations += _memory_contract(root, memory, _failed_step(results))
+        failed = _failed_step(results)
+        violations += [f"{fault} on rank {victim}, step {failed}: {v}" for v in
+                       _memory_contract(root, memory, failed)]  # fmt: skip
         record("memory tier: partner lost mid-copy", killed, violations)
         assert not violations, violations
 
