@@ -246,7 +246,9 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # skip the same ones, or the next save would never gather all ranks.
     ref = {"durable": str(tmp / "ref-durable"), "memory": str(tmp / "ref-shm"), "skip": "1"}
     roots = {"durable": str(tmp / "durable"), "memory": str(tmp / "shm")}
-    env = {"TRAINSNAP_HEARTBEAT_SECONDS": "10"}
+    # A rank silent this long is dead (run C waits this long for the killed one); also the
+    # checkpoint-data group's timeout, so it leaves room for a loaded machine.
+    env = {"TRAINSNAP_HEARTBEAT_SECONDS": "20"}
     runs: dict[str, Any] = {}
 
     def run(
