@@ -216,6 +216,34 @@ def test_compression(tmp_path: Path) -> None:
     assert_verdicts(text, ["fp32 weights bytegroup+zstd: stored/raw"])
 
 
+def test_memory_tier(tmp_path: Path) -> None:
+    text, out = run_benchmark("memory_tier", tmp_path)
+    forms = {form["name"]: form for form in out["forms"]}
+    assert set(forms) == {"2 nodes", "1 process"}
+    for name, form in forms.items():
+        for figure in ("copy_s", "step_none_s", "step_memory_s", "restore_memory_s"):
+            assert math.isfinite(form[figure]) and form[figure] > 0, (name, figure)
+        assert form["restore_durable_s"] > 0
+        steps = out["config"]["steps"] * out["config"]["reps"]
+        assert all(saved == steps + 1 for saved in form["saved"]), form["saved"]  # + warm-up
+        assert all(skipped == 0 for skipped in form["skipped"])
+        for sources in form["sources"]:  # the memory restore read the node's own memory only
+            assert sources["memory"]["memory (this node)"] > 0, sources
+            assert sources["memory"]["memory (partner node)"] == 0, sources
+    assert_verdicts(
+        text,
+        [
+            f"{name}: {figure}"
+            for name in forms
+            for figure in (
+                "extra step time / one memory copy",
+                f"extra step time, % of a step {out['config']['factor']:g}x the copy",
+                "restore durable (disk, cold) / memory",
+            )
+        ],
+    )
+
+
 def test_no_sys_path() -> None:
     """The benchmarks are a package run with ``-m``: none of them edits ``sys.path``."""
     sources = sorted((REPO / "benchmarks").rglob("*.py"))
@@ -229,6 +257,17 @@ def test_gpu_check_cpu_dry_run(tmp_path: Path) -> None:
     assert out["resume"]["losses_equal"] and out["resume"]["level"] == "strict"
     assert out["collective"] == {"backend": "gloo", "world": 2, "bitwise": True}
     assert "== GPU check (CPU dry run)" in text and out["pause"]["pause_s"] > 0
+    memory = out["memory"]
+    assert memory["restored_bitwise"] and memory["copy_s"] > 0
+    assert len(memory["medians"]["none"]) == len(memory["medians"]["memory"]) == 1
+    assert_verdicts(
+        text,
+        [
+            "memory snapshot: extra step / one copy",
+            "memory snapshot: extra step / one copy, % of the step",
+            "memory tier restore bitwise",
+        ],
+    )
 
 
 @pytest.mark.s3

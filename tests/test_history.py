@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,3 +260,97 @@ def test_a_second_job_on_a_live_root_records_a_takeover_not_a_crash(tmp_path: Pa
     assert restarts.history(lease.events(ts.open_storage(tmp_path)), {}).runs[0].end != "crash"
     with contextlib.suppress(ts.TrainsnapError):
         first.close()  # superseded: it may not commit any more
+
+
+# -- which tier each restart restored from, and its RTO ------------------------------------------
+
+
+def _restore_event(when: float, generation: int, **fields: Any) -> dict[str, Any]:
+    return {"time": when, "generation": generation, "kind": "restore", "step": 40} | fields
+
+
+def test_each_restart_says_where_it_restored_from_and_its_rto() -> None:
+    """The restore event's tier and sources name one of the four places; the RTO runs from the
+    previous run's last record to the restore's end."""
+    events: list[dict[str, Any]] = [{"time": 0.0, "generation": 1, "kind": "start"}]
+    restores = [
+        {"tier": "memory", "sources": {"memory (this node)": 900, "memory (partner node)": 0}},
+        {"tier": "memory", "sources": {"memory (this node)": 400, "memory (partner node)": 500}},
+        {"tier": "local"},
+        {"tier": "durable"},
+        {},  # an older log: no tier recorded
+    ]
+    for i, fields in enumerate(restores):
+        generation, when = i + 2, 100.0 * (i + 1)
+        events.append({"time": when, "generation": generation, "kind": "start"})
+        events.append(_restore_event(when + 3.0, generation, seconds=1.25, **fields))
+    progress = {g: {"step": 41, "time": 100.0 * g - 10.0} for g in range(1, 6)}
+    job = restarts.history(events, progress)
+    restarted = job.runs[1:]
+    assert [r.restored_from for r in restarted] == [*restarts.FROM, None]
+    assert [r.partner_bytes for r in restarted] == [0, 500, None, None, None]
+    for run in restarted:
+        assert run.lost_steps == 1 and run.restore_seconds == 1.25
+        assert run.rto_seconds == 10.0 + 3.0  # last progress 10 s before the start, restore 3 s
+    console = Console(width=100, record=True, file=io.StringIO())
+    table = render.restarts_table(job.runs)
+    assert table is not None
+    console.print(table)
+    text = console.export_text()
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    rows = [line.split() for line in text.splitlines()[3:] if line.strip()]
+    assert rows[1][:5] == ["3", "40", "memory", "(partner)", "500"]
+    assert rows[1][-3:] == [">=1", "1.25", "13"]  # lost steps (at least), restore s, RTO s
+    assert [row[2] for row in rows] == ["memory", "memory", "local", "durable", "-"]
+    assert render.restarts_table(job.runs[:1]) is None  # no restart, no table
+    assert all(len(line) <= 100 for line in render.RESTART_NOTES)
+    assert job.as_dict()["runs"][2]["restored_from"] == "memory (partner)"
+
+
+def _memory_ranks(rank: int, world: int, root: str, memory: str, kill_at: int) -> int | None:
+    """2 ranks as 2 nodes: a memory snapshot every 3 steps (each waited for), SIGKILLed after
+    step ``kill_at``; returns the step restored."""
+    import os
+
+    tier = ts.MemoryTier(root=f"{memory}/node-{rank}", node=rank, interval=ts.Every(steps=3))
+    mgr = ts.CheckpointManager(
+        root,
+        interval=ts.Every(steps=1000),
+        memory=tier,
+        options=ts.ManagerOptions(progress_seconds=0.0, timeout=60, preemption_signals=()),
+    )
+    w = torch.zeros(4, 8)
+    state = {"w": ts.Sharded(w, global_shape=(8, 8), offsets=(4 * rank, 0))}
+    info = mgr.restore(state)
+    start = 1 if info is None else info.step + 1
+    for step in range(start, kill_at + 1):
+        w.fill_(float(step))
+        mgr.step(step, state)
+        mgr.wait()  # each memory snapshot committed before the next step
+    os.kill(os.getpid(), signal.SIGKILL)
+    return None
+
+
+def test_history_says_which_memory_restarts_took_shards_from_a_partner(tmp_path: Path) -> None:
+    """Real ranks: a crash restored from the nodes' own memory, then a node wiped and
+    restored from its partner's memory; `history --json` says which, the lost steps and the
+    RTO of each."""
+    from trainsnap.testing import run_ranks
+
+    root, memory = tmp_path / "durable", tmp_path / "memory"
+    for kill_at, wipe in ((7, None), (11, None), (14, 1)):
+        if wipe is not None:
+            shutil.rmtree(memory / f"node-{wipe}")  # the node's memory is lost with the node
+        results = run_ranks(_memory_ranks, 2, args=(str(root), str(memory), kill_at), timeout=120)
+        assert all(r.killed and not r.timed_out for r in results), [r.describe() for r in results]
+    runs = _history_json(root)["runs"]
+    assert [r["restored_step"] for r in runs] == [None, 6, 9]
+    assert [r["restored_from"] for r in runs[1:]] == ["memory (own node)", "memory (partner)"]
+    assert runs[1]["partner_bytes"] == 0 and runs[2]["partner_bytes"] == 4 * 8 * 4
+    assert [r["lost_steps"] for r in runs[1:]] == [7 - 6, 11 - 9]
+    for run in runs[1:]:
+        assert run["rto_seconds"] >= run["restore_seconds"] > 0
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "history", str(root)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "restarts (one per restore)" in out.stdout, out.stderr
+    assert "memory (partner)" in out.stdout

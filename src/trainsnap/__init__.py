@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from trainsnap.api.verification import VerifyReport, verify
     from trainsnap.manager import tiers
     from trainsnap.manager.checkpoint_manager import CheckpointManager
-    from trainsnap.manager.options import LocalTier, ManagerOptions
+    from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
     from trainsnap.manager.policies import (
         Every,
         KeepBest,
@@ -66,6 +66,7 @@ _LAZY: dict[str, str] = {
     "CheckpointManager": "trainsnap.manager.checkpoint_manager",
     "LocalTier": "trainsnap.manager.options",
     "ManagerOptions": "trainsnap.manager.options",
+    "MemoryTier": "trainsnap.manager.options",
     "Every": "trainsnap.manager.policies",
     "KeepBest": "trainsnap.manager.policies",
     "KeepEvery": "trainsnap.manager.policies",
@@ -124,6 +125,7 @@ __all__ = [
     "LoadFailedError",
     "LocalTier",
     "ManagerOptions",
+    "MemoryTier",
     "NotFoundError",
     "SaveHandle",
     "SaveOptions",

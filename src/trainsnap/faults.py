@@ -4,6 +4,7 @@
 
 * ``point``: a name passed to :func:`point` (the table is in FORMAT.md, section Fault points).
 * ``action``: ``crash`` (SIGKILL this process), ``raise`` (raise :class:`InjectedFault`),
+  ``enospc`` (raise ``OSError(ENOSPC)``, as a write to a full file system or tmpfs does),
   ``hang`` (sleep until killed), ``delay:<seconds>``.
 * ``@rank``: only on this rank (``TRAINSNAP_RANK``/``RANK`` of the process, else 0).
 * ``#hit``: only the n-th time this process reaches the point (1-based); default every time.
@@ -13,6 +14,7 @@ Example: ``TRAINSNAP_FAULTS="before_marker=crash@0,mid_write=delay:0.5#2"``.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -55,7 +57,7 @@ def parse(spec: str) -> list[Rule]:
             rest, r = rest.split("@", 1)
             rank = int(r)
         action, _, arg = rest.partition(":")
-        if action not in ("crash", "raise", "hang", "delay"):
+        if action not in ("crash", "raise", "enospc", "hang", "delay"):
             raise ValueError(f"fault rule {item!r}: unknown action {action!r}")
         rules.append(Rule(name.strip(), action, rank, hit, float(arg) if arg else 0.0))
     return rules
@@ -115,6 +117,8 @@ def _fire(result: Rule) -> None:
         time.sleep(60)  # the signal is delivered asynchronously
     elif result.action == "raise":
         raise InjectedFault(f"injected fault at {result.point}")
+    elif result.action == "enospc":
+        raise OSError(errno.ENOSPC, f"injected at {result.point}: no space left on device")
     elif result.action == "hang":
         while True:
             time.sleep(3600)

@@ -31,6 +31,11 @@ tier and durable ones (``interval``, preemption) are saved there too and then pr
 ``root`` in the background (objects, manifest, marker). Restore takes the newest snapshot that
 loads, whichever tier holds it, and falls back snapshot by snapshot and tier by tier. Only
 snapshots on ``root`` count as durable (:attr:`CheckpointManager.durable_step`).
+
+With ``memory=MemoryTier(...)``, snapshots go to the nodes' memory as often as every step,
+replicated to partner nodes, and durable saves promote the memory snapshot of their step
+(:mod:`trainsnap.manager.memory_tier`); restore tries a memory snapshot first where it is the
+newest (:mod:`trainsnap.manager.memory_restore`).
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ from trainsnap.errors import (
     TrainsnapError,
 )
 from trainsnap.format.manifest import Manifest, id_step, level_rank
-from trainsnap.manager import collection, lease, restarts
+from trainsnap.manager import collection, lease, memory_restore, restarts
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
-from trainsnap.manager.options import LocalTier, ManagerOptions
+from trainsnap.manager.memory_tier import MemorySaves
+from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
 from trainsnap.manager.policies import (
     StepInfo,
     as_retention,
@@ -107,6 +113,8 @@ class CheckpointManager:
             Snapshots saved with ``tags`` are always kept.
         async_save: return from a save once the state is staged (the default).
         local: a fast local tier in front of ``root`` (:class:`~trainsnap.LocalTier`).
+        memory: snapshots in the nodes' memory, replicated to partner nodes
+            (:class:`~trainsnap.MemoryTier`); durable saves then promote its snapshots.
         save_options: what every save records and how it stores tensor data
             (:class:`~trainsnap.SaveOptions`: compression, chunk size...).
         options: how saves run (:class:`~trainsnap.ManagerOptions`: saves in flight, staging
@@ -122,6 +130,7 @@ class CheckpointManager:
         retention: Any = None,
         async_save: bool = True,
         local: LocalTier | None = None,
+        memory: MemoryTier | None = None,
         save_options: SaveOptions | None = None,
         options: ManagerOptions | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -147,6 +156,10 @@ class CheckpointManager:
             )
         self.async_save = async_save
         self.comm: Comm = comm_for(options.coordinator, options.timeout)
+        self.memory: MemorySaves | None = None
+        self.memory_policies = as_save_policies(memory.interval if memory else None)
+        if memory is not None:
+            self.memory = MemorySaves(memory, self.storage, self.comm, sync=not async_save)
         self.saver = AsyncSaver(
             max_in_flight=options.max_in_flight,
             skip_if_busy=options.skip_if_busy,
@@ -173,6 +186,10 @@ class CheckpointManager:
         self.observed_mtbf: float | None = None
         if self.comm.is_coordinator:
             self._start()
+        if self.memory is not None and self.comm.is_coordinator:
+            promoter = self.memory.promoter
+            promoter.fence, promoter.gate = self.durable.fence, self._gate
+            promoter.on_promoted = lambda m, n: self._committed(0, self.durable, None, m, n)
         self._previous_handlers = self._install_signals(options.preemption_signals)
 
     # -- start, restore -------------------------------------------------------------------
@@ -250,7 +267,11 @@ class CheckpointManager:
         ``allow_downgrade``. None when no tier holds any. With ``step``, only the snapshots of
         that step are candidates (``NotFoundError`` naming the steps held when none is)."""
         started = time.perf_counter()
-        candidates = self._candidates(state, level, allow_downgrade)
+        in_memory = []
+        if self.memory is not None:
+            self.memory.start(self.generation)
+            in_memory = memory_restore.candidates(self.memory)
+        candidates = self._candidates(state, level, allow_downgrade, in_memory)
         if step is not None:
             steps = sorted({id_step(sid) for sid, _ in candidates})
             candidates = [(sid, tiers) for sid, tiers in candidates if id_step(sid) == step]
@@ -264,15 +285,25 @@ class CheckpointManager:
             for name in tier_names:
                 tier = self.local if name == "local" and self.local else self.durable
                 try:
-                    info = load(
-                        state,
-                        tier.storage,
-                        snapshot=sid,
-                        level=level,
-                        allow_downgrade=allow_downgrade,
-                        coordinator=self.options.coordinator,
-                        timeout=self.options.timeout,
-                    )
+                    if name == "memory" and self.memory is not None:
+                        info = memory_restore.restore(
+                            self.memory,
+                            state,
+                            sid,
+                            level=level,
+                            allow_downgrade=allow_downgrade,
+                            timeout=self.options.timeout,
+                        )
+                    else:
+                        info = load(
+                            state,
+                            tier.storage,
+                            snapshot=sid,
+                            level=level,
+                            allow_downgrade=allow_downgrade,
+                            coordinator=self.options.coordinator,
+                            timeout=self.options.timeout,
+                        )
                 except TrainsnapError as e:
                     if not self._agree_fallback(e):
                         raise
@@ -286,12 +317,14 @@ class CheckpointManager:
                     continue
                 self._last_save_step, self._last_save_time = info.step, time.monotonic()
                 self._restored_at = time.monotonic()
+                sources = self._all_sources(info) if name == "memory" else {}
                 self._record(
                     "restore",
                     snapshot=info.id,
                     step=info.step,
                     level=info.level,
                     tier=name,
+                    sources=sources,
                     seconds=time.perf_counter() - started,
                     since_start=time.time() - _PROCESS_START,
                 )
@@ -304,6 +337,20 @@ class CheckpointManager:
                 "above for each one's damage"
             )
         return None
+
+    def _all_sources(self, info: SnapshotInfo) -> dict[str, int]:
+        """(all ranks) Where every rank's restored bytes came from, summed (coordinator; {}
+        elsewhere): the restart log says whether a node took its shards from partners."""
+        session = self.comm.session("restore-sources")
+        try:
+            said = session.gather("sources", dict(info.sources))
+        finally:
+            session.close()
+        total: dict[str, int] = {}
+        for sources in said or ():
+            for where, nbytes in sources.items():
+                total[where] = total.get(where, 0) + int(nbytes)
+        return total
 
     def _log_restart(self) -> None:
         """(coordinator) One line on what this restart lost and how long it took."""
@@ -338,10 +385,14 @@ class CheckpointManager:
         return agree_damage(self.comm, error)
 
     def _candidates(
-        self, state: Any, level: str, allow_downgrade: bool
+        self,
+        state: Any,
+        level: str,
+        allow_downgrade: bool,
+        in_memory: Sequence[tuple[str, tuple[int, str]]] = (),
     ) -> list[tuple[str, list[str]]]:
         """(id, tiers holding it) newest first, decided by the coordinator so every rank tries
-        the same sequence."""
+        the same sequence; a snapshot in ``in_memory`` is tried from the memory tier first."""
         session = self.comm.session("restore")
         try:
             found = None
@@ -358,6 +409,8 @@ class CheckpointManager:
                             continue  # cannot give the level asked (e.g. a weights-only save)
                         key = (c.step, str(c.marker.summary.get("created", "")))
                         by_id.setdefault(c.snapshot_id, (key, []))[1].append(tier.name)
+                for sid, key in in_memory:
+                    by_id.setdefault(sid, (key, []))[1].insert(0, "memory")
                 ordered = sorted(by_id.items(), key=lambda kv: kv[1][0], reverse=True)
                 found = [(sid, names) for sid, (_, names) in ordered]
             return list(session.broadcast("candidates", found))
@@ -423,6 +476,7 @@ class CheckpointManager:
             ("durable", self.policies),
             ("local", self.local_policies),
             ("weights", self.weights_policies),
+            ("memory", self.memory_policies),
         )
         local = {k for k, ps in kinds if any(p.should_save(info) for p in ps if not p.shared)}
 
@@ -435,6 +489,9 @@ class CheckpointManager:
         if not wanted:
             return False
         preempt = "preempt" in wanted
+        if self.memory is not None and wanted & {"memory", "durable", "preempt"}:
+            durable = bool(wanted & {"durable", "preempt"})
+            return self._memory_step(step, state, metrics, durable=durable, preempt=preempt)
         if preempt or "durable" in wanted:
             handle = self.save(step, state, metrics=metrics)
         elif "local" in wanted:
@@ -448,6 +505,34 @@ class CheckpointManager:
             self._housekeeper.drain()  # ... nor before it is promoted to the durable root
             self._record("preempt", step=step)
         return handle is not None
+
+    def _memory_step(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        *,
+        durable: bool,
+        preempt: bool,
+    ) -> bool:
+        """A memory snapshot at this step, promoted to the durable root when ``durable``
+        (:mod:`trainsnap.manager.memory_tier`); False when skipped (the previous one in flight)."""
+        assert self.memory is not None
+        self.memory.start(self.generation)
+        if not self.memory.decide(force=durable):
+            return False
+        tree, opts = self.save_options.request(state, step)
+        if metrics:
+            opts.meta = {**opts.meta, "metrics": {str(k): float(v) for k, v in metrics.items()}}
+        self.memory.save(tree, opts, promote=durable)
+        self._save_costs.append(self.memory.pause)  # what Young/Daly weigh: the blocking cost
+        self._last_save_step, self._last_save_time = step, time.monotonic()
+        if preempt:
+            self.preempted = True
+            self.memory.drain()  # a preempted job must not exit before its save is durable
+            self._housekeeper.drain()
+            self._record("preempt", step=step)
+        return True
 
     def save(
         self,
@@ -588,6 +673,8 @@ class CheckpointManager:
         (promotion, retention, collection); raise the first error of either."""
         try:
             self.saver.wait()
+            if self.memory is not None:
+                self.memory.drain()
         finally:
             self._housekeeper.drain()
         self._housekeeper.raise_error()
@@ -600,6 +687,8 @@ class CheckpointManager:
         try:
             try:
                 self.saver.close()
+                if self.memory is not None:
+                    self.memory.close()
             finally:
                 self._housekeeper.close()
         finally:

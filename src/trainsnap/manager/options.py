@@ -1,16 +1,17 @@
 """The manager's options, grouped by concern: :class:`ManagerOptions` (saving in the background,
-collection, preemption, the control plane) and :class:`LocalTier` (a fast tier in front of the
-durable root)."""
+collection, preemption, the control plane), :class:`LocalTier` (a fast tier in front of the
+durable root) and :class:`MemoryTier` (snapshots in the nodes' memory, replicated to partners)."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 from trainsnap.errors import InvalidArgumentError
-from trainsnap.manager.policies import KeepLast
+from trainsnap.manager.policies import Every, KeepLast
 from trainsnap.storage import Root
 
 
@@ -93,3 +94,65 @@ class LocalTier:
     survives the loss of one node."""
     node: int | None = None
     """This process's node (default: ``NODE_RANK`` or ``GROUP_RANK`` from the environment)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryTier:
+    """Snapshots in the nodes' own memory (a tmpfs), replicated to partner nodes: a restart
+    after a crash of the training processes, or after losing ``replicas`` nodes, loses at most
+    one memory interval (see the README's "Memory tier").
+
+    Each node keeps its ranks' objects in ``<root>/<job>/node-<n>`` (``job`` derived from the
+    durable root), a complete trainsnap root layout; a snapshot is committed there only once
+    every object has ``1 + replicas`` copies on distinct nodes. Durable saves (the manager's
+    ``interval``) promote the memory snapshot of that step without capturing the state again.
+    """
+
+    root: str = "/dev/shm/trainsnap"
+    """A directory on a RAM-backed file system (tmpfs) of every node: it outlives the training
+    processes (not the node)."""
+    replicas: int = 1
+    """Copies of each node's objects kept on other nodes (0: none; a node loss then loses the
+    memory tier). Fewer nodes than ``1 + replicas`` keep one copy on each node."""
+    keep: int = 2
+    """Committed memory snapshots kept per node: the newest one stays complete while the next
+    is written."""
+    interval: Any = field(default_factory=lambda: Every(steps=1))
+    """When to take a memory snapshot (the forms of the manager's ``interval``)."""
+    node: int | None = None
+    """This process's node (default: ``GROUP_RANK`` or ``NODE_RANK`` from the environment, as
+    torchrun sets them)."""
+    domains: Sequence[int] | None = None
+    """The failure domain (rack, power feed) of each node, by node id: a node's partners are the
+    next nodes in ring order outside its domain where there are such nodes."""
+    wait_if_busy: bool = False
+    """Wait at a memory step for the previous memory snapshot still in flight instead of
+    skipping this step's (the skips are counted and logged). Waiting bounds the work lost to
+    one interval at the cost of stalling training when replication is slower than a step."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str | PathLike) or not str(self.root):
+            raise InvalidArgumentError(f"MemoryTier(root=) must be a directory, got {self.root!r}")
+        if "://" in str(self.root):
+            raise InvalidArgumentError(
+                f"MemoryTier(root={self.root!r}) must be a local directory (a tmpfs such as "
+                "/dev/shm), not a URL"
+            )
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
+            raise InvalidArgumentError(
+                f"MemoryTier(replicas=) must be an int, got {self.replicas!r}"
+            )
+        if self.replicas < 0:
+            raise InvalidArgumentError(f"MemoryTier(replicas=) must be >= 0, got {self.replicas}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise InvalidArgumentError(f"MemoryTier(keep=) must be an int >= 1, got {self.keep!r}")
+        if self.node is not None and (
+            isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0
+        ):
+            raise InvalidArgumentError(f"MemoryTier(node=) must be an int >= 0, got {self.node!r}")
+        if self.domains is not None:
+            self.domains = tuple(self.domains)
+            if not all(isinstance(d, int) and not isinstance(d, bool) for d in self.domains):
+                raise InvalidArgumentError(
+                    f"MemoryTier(domains=) must list one int per node, got {self.domains!r}"
+                )

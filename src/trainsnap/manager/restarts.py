@@ -18,9 +18,15 @@ Definitions (all times are wall-clock seconds from the events):
   progress. It is exact when the previous run recorded every step (``progress_seconds=0``) or
   stopped on a preemption, and otherwise a lower bound (``lost_is_lower_bound``): the run may
   have gone on for up to ``progress_seconds`` after its last record.
-* *Restore* seconds: resolving, reading, verifying and applying the snapshot; *since start*:
-  from the process's start to the restore done; *to first step*: from the restore done to the
-  first completed step after it.
+* *Restore* seconds: resolving, reading, verifying and applying the snapshot (the restore's
+  own RTO, from its start to its end); *since start*: from the process's start to the restore
+  done; *to first step*: from the restore done to the first completed step after it. The
+  *RTO from the last record*: from the previous run's last sign of life (its last progress
+  record or event) to the restore done: the whole outage as far as the log can see it (the
+  previous run may have died up to ``progress_seconds`` after its last record).
+* Where a restart restored *from* (:data:`FROM`): the nodes' own memory, a partner's memory
+  (some node took bytes of its shards from another node's memory: a replaced or wiped node),
+  the local disk tier or the durable root.
 * *Goodput*: the share of the job's wall time that was neither down (between a run's last sign of
   life and the next run's first step) nor lost work.
 """
@@ -38,6 +44,10 @@ from trainsnap.manager.policies import daly_interval, young_interval
 
 CLEAN_ENDS = ("close", "preempt")
 ENDS = (*CLEAN_ENDS, "superseded", "crash", "running")
+FROM = ("memory (own node)", "memory (partner)", "local disk", "durable")
+"""Where a restore read its snapshot from, nearest first."""
+_PARTNER_BYTES = "memory (partner node)"
+"""The restore event's ``sources`` entry of the bytes fetched from partners' memory."""
 
 
 @dataclass(slots=True)
@@ -55,6 +65,10 @@ class Run:
     restored_snapshot: str | None = None
     restored_at: float | None = None
     level: str | None = None
+    restored_from: str | None = None
+    """One of :data:`FROM` (None: an older log that did not say)."""
+    partner_bytes: int | None = None
+    """Bytes the restore fetched from partners' memory (memory tier only)."""
     restore_seconds: float | None = None
     since_start_seconds: float | None = None
     to_first_step_seconds: float | None = None
@@ -62,6 +76,8 @@ class Run:
     lost_seconds: float | None = None
     lost_is_lower_bound: bool = False
     """The previous run may have gone further than its last progress record said."""
+    rto_seconds: float | None = None
+    """From the previous run's last sign of life to this run's restore done."""
     progress_seconds: float | None = None
     """How often this run recorded its progress (None: not recorded, an older log)."""
     saves: list[tuple[float, int]] = field(default_factory=list)
@@ -153,6 +169,7 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
             run.restored_step, run.restored_at = _int(event.get("step")), when
             run.restored_snapshot, run.level = _str(event.get("snapshot")), _str(event.get("level"))
             run.restore_seconds = _float(event.get("seconds"))
+            run.restored_from, run.partner_bytes = _restored_from(event)
             run.since_start_seconds = _float(event.get("since_start"))
         elif kind == "first_step":
             run.to_first_step_seconds = _float(event.get("seconds"))
@@ -172,7 +189,23 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
     return run
 
 
+def _restored_from(event: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """(:data:`FROM` entry, bytes from partners' memory) of a restore event."""
+    tier = event.get("tier")
+    if tier == "local":
+        return "local disk", None
+    if tier == "durable":
+        return "durable", None
+    if tier != "memory":
+        return None, None
+    sources = event.get("sources")
+    partner = _int(sources.get(_PARTNER_BYTES)) if isinstance(sources, Mapping) else None
+    return ("memory (partner)" if partner else "memory (own node)"), partner
+
+
 def _lost_work(previous: Run, run: Run, saved_at: Mapping[str, float]) -> None:
+    if run.restored_at is not None and previous.end != "superseded":  # not an outage
+        run.rto_seconds = max(0.0, run.restored_at - previous.ended)
     if run.restored_step is None or previous.step_reached is None:
         return
     run.lost_steps = max(0, previous.step_reached - run.restored_step)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +17,8 @@ class SnapshotInfo:
 
     ``level`` is what the snapshot offers when listed or saved, and what was reached when
     returned by a load. ``nbytes`` is the bytes its objects occupy. ``reasons`` says, for a
-    load that reached less than ``strict``, why not higher.
+    load that reached less than ``strict``, why not higher; ``sources``, for a restore from the
+    memory tier, where its bytes came from.
     """
 
     id: str
@@ -28,6 +29,9 @@ class SnapshotInfo:
     root: str
     tokens_seen: int | None = None
     reasons: tuple[str, ...] = ()
+    sources: Mapping[str, int] = field(default_factory=dict)
+    """For a restore from the memory tier: bytes this rank got from each place ("memory (this
+    node)", "memory (partner node)"); empty otherwise (the bytes came from ``root``)."""
 
     @staticmethod
     def from_manifest(

@@ -329,7 +329,8 @@ def history_command(
     ] = None,
 ) -> None:
     """Every run and restart of the job on ROOT: how far each run got, what each restart lost
-    (steps and seconds), how long restores took, and the job's goodput and MTBF."""
+    (steps and seconds), which tier it restored from (own or partner memory, local disk,
+    durable), how long it was down (RTO), and the job's goodput and MTBF."""
     from trainsnap.manager import lease, restarts
     from trainsnap.protocol import commit
     from trainsnap.tools import render
@@ -347,7 +348,14 @@ def history_command(
         )
     else:
         stdout_console().print(render.history_table(job.runs))
-        for line in (*render.HISTORY_NOTES, *render.history_totals(job)):
+        for line in render.HISTORY_NOTES:
+            say(line)
+        restored = render.restarts_table(job.runs)
+        if restored is not None:
+            stdout_console().print(restored)
+            for line in render.RESTART_NOTES:
+                say(line)
+        for line in render.history_totals(job):
             say(line)
     if plot is not None and job.runs:
         say(f"plot: {render.history_chart(job, plot)}")

@@ -363,6 +363,37 @@ def history_table(runs: Sequence[Run]) -> Table:
     return table
 
 
+RESTART_NOTES = (
+    "from: memory (own node), memory (partner): some node took shards from another node's",
+    "  memory, local disk, durable; restore s: the restore's start to its end; RTO s: the",
+    "  previous run's last record (progress or event) to the restore's end",
+)
+"""The legend under ``history``'s restarts table, each line under 100 columns."""
+
+
+def restarts_table(runs: Sequence[Run]) -> Table | None:
+    """One row per restart (a run that restored a snapshot): where it restored from, the
+    steps it lost and how long it took to be back (its RTO); None when no run restored."""
+    restored = [run for run in runs if run.restored_step is not None]
+    if not restored:
+        return None
+    table = new_table("restarts (one per restore)")
+    columns = ("gen", "restored", "from", "partner bytes", "lost steps", "restore s", "RTO s")
+    for name in columns:
+        table.add_column(name, justify="left" if name == "from" else "right")
+    for run in restored:
+        table.add_row(
+            str(run.generation),
+            str(run.restored_step),
+            Text(run.restored_from or "-"),
+            "-" if run.partner_bytes is None else human_size(run.partner_bytes),
+            _lost_steps_text(run),
+            seconds_text(run.restore_seconds),
+            seconds_text(run.rto_seconds),
+        )
+    return table
+
+
 def history_totals(job: History) -> list[str]:
     """The totals under the table, one line each; crashes are the runs the table shows as
     ``crash`` (a ``running`` newest run is not one)."""
