@@ -470,24 +470,22 @@ def test_memory_tier_partner_lost_mid_copy(tmp_path):
 
 # Node 1's writes into its directory, in order (rank 1 writes nothing else): the writer record
 # once, then per snapshot its 2 own objects, the manifest from the coordinator, the copy of node
-# 0's object, the marker. Hits 7-10, 12-15 and 17-20 fall in the snapshots of steps 2-4 before
-# their markers. A marker write that fails after the other node wrote its own leaves the
-# snapshot committed on that node alone (the ranks both report failure); that case is left out
-# here until the memory tier decides it.
-_NODE_1_WRITES_BEFORE_A_MARKER = [h for h in range(7, 21) if (h - 6) % 5]
+# 0's object, the marker. Hits 7-20 fall in the snapshots of steps 2-4, markers included (11, 16):
+# a marker that fails after the other node wrote its own makes that node take its marker back.
+_NODE_1_WRITES = list(range(7, 21))
 
 
 def test_memory_tier_tmpfs_full(tmp_path):
     """A node's tmpfs full (ENOSPC) while a memory snapshot is written there: its own objects,
-    a copy received from the partner or its manifest. The save fails on every rank, no node
-    commits it, no temporary file is left, and the previous snapshot restores."""
+    a copy received from the partner, its manifest or its marker. The save fails on every rank,
+    no node commits it, no temporary file is left, and the previous snapshot restores."""
     rng = random.Random(2)
     for trial in range(trials(2)):
         root, memory = tmp_path / f"t{trial}", tmp_path / f"m{trial}"
         if rng.random() < 0.5:  # a rank's own objects (the save protocol's writes)
             fault, rank = f"before_write=enospc#{rng.randint(2, 4)}", rng.randrange(2)
         else:  # a write into node 1's directory: its objects, a copy, a manifest
-            fault, rank = f"mid_write=enospc#{rng.choice(_NODE_1_WRITES_BEFORE_A_MARKER)}", 1
+            fault, rank = f"mid_write=enospc#{rng.choice(_NODE_1_WRITES)}", 1
         results = run_ranks(
             _memory_saving_ranks,
             2,

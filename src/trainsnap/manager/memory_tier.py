@@ -16,10 +16,14 @@ A memory save, on every rank (the steps after staging on the save's background t
    partner lost mid-copy, a copy that does not verify, a timeout) and no node gets a marker;
    the error is raised by the next memory step, ``wait()`` or ``close()``.
 4. (one rank per node) unless a newer writer generation took the node over, write the marker
-   last (its ``writer`` says the job, the generation and the copies), then apply the node's
-   retention (``keep`` snapshots, and those waiting for promotion) and collect.
-5. (all ranks) say they finished: the coordinator decides the next memory save only once every
-   rank finished this one, so no save's collection can race another save's writes.
+   last (its ``writer`` says the job, the generation and the copies).
+5. (all ranks) say whether their node's marker landed; the coordinator answers whether every
+   one did. If so, each node applies its retention (``keep`` snapshots, and those waiting for
+   promotion) and collects; if not (a full tmpfs), the markers that landed are taken back and
+   every rank raises: a snapshot is committed on every node or on none, as the save reports
+   (a crash inside this step can leave it on some nodes: a restore repairs the others' markers
+   from them). The coordinator decides the next memory save only once every rank finished this
+   one, so no save's collection can race another save's writes.
 
 Memory saves are decided by the coordinator at each memory step, the same on every rank: a save
 still in flight there means this step's memory save is skipped (counted, logged) unless
@@ -255,24 +259,41 @@ class MemorySaves:
             all_reduce(comm, session, "replicated", replicate, lambda _: True, failed)
         finally:
             session.close()
-        error: TrainsnapError | None = None
+        error: Exception | None = None
         if self.is_leader:
             try:
                 if manifest is not None:  # the coordinator; the other leaders wrote theirs
                     self.storage.put(manifest_key(sid), manifest)
                 self.storage.put(marker_key(sid), self._marker_bytes)
-                self.newest = sid
-            except TrainsnapError as e:
+            except (TrainsnapError, OSError) as e:  # a full tmpfs is an OSError (ENOSPC)
                 error = e
-            else:
+        if self._every_marker_landed(comm, error is None):
+            if self.is_leader:
+                self.newest = sid
                 self._retain()
-        done = comm.session("done")  # every rank, whatever happened to its node's marker
+            return
+        if self.is_leader and error is None:
+            # Another node's marker failed: take this one back (marker first, as any delete),
+            # so the snapshot is committed on every node or on none, as the save reports.
+            self.storage.delete(marker_key(sid))
+        raise CommitFailedError(
+            f"memory snapshot {sid}: a node's marker could not be written"
+            + (f" (this node's: {error})" if error is not None else "")
+            + ", so the markers that landed were taken back: not committed, the previous memory "
+            "snapshot stays the newest. Check the free space of the memory tier's directory on "
+            "every node.",
+            snapshot_id=sid,
+        ) from error
+
+    def _every_marker_landed(self, comm: Comm, landed: bool) -> bool:
+        """(all ranks) Whether every node leader wrote its marker; ranks that are not leaders
+        say True. Every rank waits here, whatever happened to its node's marker."""
+        done = comm.session("done")
         try:
-            done.gather("finished", error is None)
+            said = done.gather("finished", landed)
+            return bool(done.broadcast("outcome", None if said is None else all(said)))
         finally:
             done.close()
-        if error is not None:
-            raise error
 
     def _final_commit(self, sid: str, route: SaveRoute) -> tuple[bytes | None, bytes | None]:
         """(coordinator) the manifest and the marker to write, with the marker's writer record."""
