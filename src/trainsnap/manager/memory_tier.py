@@ -244,7 +244,15 @@ class MemorySaves:
         try:
 
             def replicate() -> None:
-                self._replicate(sid, route, manifest, marker, hasher)
+                try:
+                    self._replicate(sid, route, manifest, marker, hasher)
+                except OSError as e:  # a full tmpfs (ENOSPC): this rank's part failed, said so
+                    raise CommitFailedError(
+                        f"memory snapshot {sid}: writing a copy or the manifest into "
+                        f"{self.storage.url} failed ({e}); check the free space there",
+                        snapshot_id=sid,
+                        path=str(self.storage.url),
+                    ) from e
                 if self.is_leader:  # a superseded writer fails the vote everywhere
                     check_writer(self.storage, self.generation)
 
