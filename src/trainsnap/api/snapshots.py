@@ -22,7 +22,7 @@ from trainsnap.errors import (
     NotFoundError,
     TrainsnapError,
 )
-from trainsnap.format.manifest import LEVELS
+from trainsnap.format.manifest import check_level
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
@@ -132,8 +132,7 @@ def load(
     older snapshot would not fit either. When none loads, the newest one's error is raised and
     the state's tensors are unusable until a load succeeds. A named id never falls back.
     """
-    if level not in LEVELS:
-        raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
+    check_level(level)
     storage = open_storage(root, **dict(storage_options or {}))
     comm = comm_for(coordinator, timeout)
     candidates = [snapshot] if snapshot != "latest" else _newest_first(storage, comm)

@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
@@ -476,7 +477,7 @@ class CheckpointManager:
         if tags:
             meta["tags"] = [str(t) for t in tags]
         tree, opts = self.save_options.request(state, step, parts)
-        opts.meta = {**opts.meta, **meta}
+        opts.options = replace(opts.options, meta={**opts.options.meta, **meta})
         target = self.local if self.local is not None else self.durable
         promote_to = self.durable if (tier == "durable" and self.local is not None) else None
         opts.fence = target.fence if self.comm.is_coordinator else None

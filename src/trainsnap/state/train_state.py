@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
-from trainsnap.format.manifest import LEVELS, Manifest, level_rank
+from trainsnap.format.manifest import LEVELS, Manifest, check_level, level_rank
 from trainsnap.state import rng as rng_mod
 from trainsnap.state.capture import Exact
 from trainsnap.state.data_cursor import cursor_of
@@ -283,8 +283,7 @@ class TrainState:
     ) -> LoadPlan:
         """The highest level up to ``asked`` this snapshot gives this state, and the tree to
         load for it; raise when ``asked`` cannot be reached and no downgrade is allowed."""
-        if asked not in LEVELS:
-            raise InvalidArgumentError(f"level must be one of {LEVELS}, got {asked!r}")
+        check_level(asked)
         snap = _SnapshotParts(manifest)
         if "optim" in snap.parts and manifest.find_value("optim_meta.stateless", -1) is not None:
             snap.stateless = list(read_value("optim_meta.stateless"))
