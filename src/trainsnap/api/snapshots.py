@@ -33,7 +33,7 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, open_storage
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.load")
+log = logging.getLogger(__name__)
 
 
 def save(
@@ -227,7 +227,7 @@ def _load_one(
 ) -> SnapshotInfo:
     started = time.perf_counter()
     with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
-        manifest, reached, nread = run_load(
+        loaded = run_load(
             state,
             storage,
             snapshot,
@@ -237,6 +237,7 @@ def _load_one(
             allow_pickle=allow_pickle,
         )
     seconds = time.perf_counter() - started
+    manifest, reached = loaded.manifest, loaded.level
     # Why the level reached is not higher: a TrainState's plan says (no data cursor, a downgrade).
     reasons = tuple(getattr(state, "restore_reasons", ()) if reached != "strict" else ())
     log.info(
@@ -244,9 +245,9 @@ def _load_one(
         manifest.snapshot_id,
         manifest.step,
         reached,
-        nread,
+        loaded.bytes_read,
         seconds,
-        nread / max(seconds, 1e-9) / 1e6,
+        loaded.bytes_read / max(seconds, 1e-9) / 1e6,
         storage.url,
         f" not_higher_because={'; '.join(reasons)!r}" if reasons else "",
     )

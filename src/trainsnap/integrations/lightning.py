@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
         "trainsnap.integrations.lightning needs Lightning: pip install 'trainsnap[lightning]'"
     ) from e
 
-log = logging.getLogger("trainsnap.integrations.lightning")
+log = logging.getLogger(__name__)
 
 POINTER_FORMAT = "trainsnap.pointer"
 POINTER_RECORD = "trainsnap_pointer.json"

@@ -77,7 +77,7 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage import Root, open_storage
 
-log = logging.getLogger("trainsnap.manager")
+log = logging.getLogger(__name__)
 
 _PROCESS_START = time.time()
 """When this process started, as near as it can tell: the kernel's start time of the process,

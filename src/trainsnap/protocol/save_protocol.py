@@ -52,7 +52,7 @@ from trainsnap.protocol.rank_save import Local, SaveRequest, WriteReport, descri
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.save")
+log = logging.getLogger(__name__)
 
 
 def _refusal(problems: list[str]) -> TrainsnapError:
