@@ -87,14 +87,17 @@ class SaveOptions:
     ) -> tuple[Any, SaveRequest]:
         """The tree to save and what the save records; a :class:`TrainState` gives its tree,
         kinds, level, versions and counters (only ``parts`` of it, when given), which these
-        options add to or override."""
+        options add to or override. The request holds copies of ``versions`` and ``meta``: an
+        asynchronous save records them as they were when it was asked for."""
         if not isinstance(state, TrainState):
-            return state, SaveRequest(step=step, options=self)
+            copied = replace(self, versions=dict(self.versions), meta=dict(self.meta))
+            return state, SaveRequest(step=step, options=copied)
         tokens, samples = state.counters()
         resolved = replace(
             self,
             level=state.offered_level(parts),
             versions={**state.versions, **self.versions},
+            meta=dict(self.meta),
             tokens_seen=tokens if self.tokens_seen is None else self.tokens_seen,
             samples_seen=samples if self.samples_seen is None else self.samples_seen,
             data_cursor=state.data_cursor() if self.data_cursor is None else self.data_cursor,
