@@ -174,8 +174,8 @@ class StoreComm:
     ) -> None:
         if not 0 <= coordinator < world_size:
             raise InvalidArgumentError(
-                f"coordinator={coordinator} is not a rank of this world of {world_size}: pass a "
-                f"rank in 0..{world_size - 1}"
+                f"coordinator {coordinator} outside world of {world_size}: pass coordinator= "
+                f"a rank in 0..{world_size - 1}"
             )
         self.store = store
         self.rank, self.world_size, self.coordinator = rank, world_size, coordinator

@@ -8,13 +8,13 @@ Every rank calls :func:`run_load`:
    state needs (:mod:`trainsnap.protocol.manifest_share`).
 3. (all ranks) plan the level (a :class:`~trainsnap.TrainState` decides what
    it can restore), read and verify what this rank's state needs, straight into it.
-
-The state is walked once for all of it (:class:`_Template`, :mod:`trainsnap.state.template`):
-what a rank wants in step 2, the plan, the reads and the fill in step 3 read the walked nodes.
 4. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
    raises everywhere, and step 5 is not run. Tensors were filled in place while reading, so a
    failed load leaves them partly or wholly filled: load again before using the state.
 5. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
+
+The state is walked once for all of it (:class:`_Template`, :mod:`trainsnap.state.template`):
+what a rank wants in step 2, the plan, the reads and the fill in step 3 read the walked nodes.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class _Template:
 class _Read:
     """One rank's read: its reader, and what the read made."""
 
-    state: _Template
+    template: _Template
     reader: Reader
     tree: Any = None
     reached: str = ""
@@ -180,7 +180,7 @@ def _read(
     replicas: Replicas | None,
 ) -> _Loaded:
     """Step 3 (all ranks): plan the level, read and verify straight into the state."""
-    template, reader, m = read.state, read.reader, read.reader.m
+    template, reader, m = read.template, read.reader, read.reader.m
     state = template.state
     read.tree, read.reached = state, level
     if isinstance(state, TrainState):
