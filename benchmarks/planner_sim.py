@@ -33,6 +33,7 @@ from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.format import encoding
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import layout_objects
+from trainsnap.format.manifest import StoredObject
 from trainsnap.format.regions import Box
 from trainsnap.protocol import commit
 from trainsnap.protocol.assemble import assemble
@@ -46,7 +47,7 @@ from trainsnap.protocol.planner import (
     plan_cached,
     plan_save,
 )
-from trainsnap.protocol.rank_save import SaveRequest, WriteReport
+from trainsnap.protocol.rank_save import SaveRequest, WriteReport, Written
 
 PLAN_TARGET = Target("<", 10.0)  # seconds
 CACHED_PLAN_TARGET = Target("<", 0.5)  # seconds
@@ -105,7 +106,8 @@ def sim_model(world: World, pp: int, tp: int) -> list[Entry]:
         sizes = (part, shape[1]) if dim == 0 else (shape[0], part)
         offsets = (tp * part, 0) if dim == 0 else (0, tp * part)
         key = f"model.layers.{layer}.{name}"
-        entries.append((key, "bfloat16", shape, Box(offsets, sizes), sizes[0] * sizes[1] * 2, None))
+        nbytes = sizes[0] * sizes[1] * 2
+        entries.append(Entry(key, "bfloat16", shape, Box(offsets, sizes), nbytes, None))
     return entries
 
 
@@ -129,7 +131,8 @@ def sim_optim(model: list[Entry], dp: int, cuts: list[int]) -> list[Entry]:
     entries: list[Entry] = []
     for key, _dtype, shape, region, nbytes, _digest in model[cuts[dp] : cuts[dp + 1]]:
         for moment in ("exp_avg", "exp_avg_sq"):
-            entries.append((f"optim.{moment}.{key}", "float32", shape, region, nbytes * 2, None))
+            moment_key = f"optim.{moment}.{key}"
+            entries.append(Entry(moment_key, "float32", shape, region, nbytes * 2, None))
     return entries
 
 
@@ -139,8 +142,8 @@ def sim_values(rank: int, hasher: Hasher) -> list[Value]:
     rng = rank.to_bytes(8, "little") * (RNG_STATE_BYTES // 8)
     assert len(rng) == RNG_STATE_BYTES
     return [
-        ("train.schedule", "json", hasher.digest(step), len(step)),
-        ("rng.state", "pickle", hasher.digest(rng), len(rng)),
+        Value("train.schedule", "json", hasher.digest(step), len(step)),
+        Value("rng.state", "pickle", hasher.digest(rng), len(rng)),
     ]
 
 
@@ -169,12 +172,14 @@ def _report_of(sizes: list[int], assignment: Any, pattern: bytes, serial: int) -
     objects = []
     for index, obj in enumerate(layout.objects):
         blocks = -(-obj.size // SIM_BLOCK)
-        objects.append((f"{serial + index:032x}", obj.size, pattern[: 16 * blocks]))
+        objects.append(StoredObject(f"{serial + index:032x}", obj.size, pattern[: 16 * blocks]))
     count = len(assignment.entries)
     return WriteReport(
         objects=objects,
-        entries=[(i, s, layout.chunks[j]) for j, (i, s) in enumerate(assignment.entries)],
-        values=[(i, s, layout.chunks[count + j]) for j, (i, s) in enumerate(assignment.values)],
+        entries=[Written(i, s, layout.chunks[j]) for j, (i, s) in enumerate(assignment.entries)],
+        values=[
+            Written(i, s, layout.chunks[count + j]) for j, (i, s) in enumerate(assignment.values)
+        ],
         bytes_new=sum(sizes),
     )
 
@@ -187,8 +192,8 @@ def simulate_reports(
     reports: list[WriteReport] = []
     serial = 0
     for rank, assignment in enumerate(plan.assignments):
-        sizes = [flats[rank][i][4] for i, _ in assignment.entries]
-        sizes += [metas[rank].values[i][3] for i, _ in assignment.values]
+        sizes = [flats[rank][i].nbytes for i, _ in assignment.entries]
+        sizes += [metas[rank].values[i].nbytes for i, _ in assignment.values]
         reports.append(_report_of(sizes, assignment, pattern, serial))
         serial += len(reports[-1].objects)
     return reports

@@ -205,7 +205,7 @@ _LINE = re.compile(r"wait=([-\d.]+) pause=([-\d.]+) drain=([-\d.]+) seconds=([-\
 
 
 def test_save_log_phases_are_non_negative_and_add_up(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="trainsnap.save")
+    caplog.set_level(logging.INFO, logger="trainsnap.protocol.save_protocol")
     saver = ts.AsyncSaver(max_in_flight=1)
     faults.install("after_write=delay:0.4#1")  # the first save drains slowly
     try:

@@ -223,7 +223,7 @@ def test_a_two_rank_async_save_is_traced_in_chrome_format(tmp_path, caplog):
 def test_each_save_logs_one_summary_line_with_pause_and_drain(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="trainsnap")
     ts.async_save({"w": torch.randn(1000)}, tmp_path, step=1).wait()
-    lines = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainsnap.protocol.save_protocol"]
     assert len(lines) == 1
     for field in ("pause=", "drain=", "bytes=", "MBps="):
         assert field in lines[0]

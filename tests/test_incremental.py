@@ -126,7 +126,9 @@ def test_identical_chunks_in_one_save_are_written_once_and_counts_are_stored_byt
     # and compressed objects were counted at their decoded size.
     state = {f"z{i}": torch.zeros(1 << 18) for i in range(16)}  # 16 identical 1 MiB payloads
     ts.save(state, tmp_path / "a", step=1)
-    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"][-1]
+    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.protocol.save_protocol"][
+        -1
+    ]
     assert "bytes=1048576 written=1048576" in line, line
     files = [p for p in (tmp_path / "a" / "objects").rglob("*") if p.is_file()]
     assert len(files) == 1
@@ -136,7 +138,9 @@ def test_identical_chunks_in_one_save_are_written_once_and_counts_are_stored_byt
         step=1,
         options=ts.SaveOptions(compression="bytegroup+zstd"),
     )
-    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.save"][-1]
+    line = [r.getMessage() for r in caplog.records if r.name == "trainsnap.protocol.save_protocol"][
+        -1
+    ]
     referenced = int(line.split("bytes=")[1].split()[0])
     written = int(line.split("written=")[1].split()[0])
     assert written == referenced < 4 << 20

@@ -207,7 +207,8 @@ def _boxes_of_layouts(rank: int, world_size: int) -> list[str]:
     from torch.distributed.tensor import _utils as dtensor_utils
 
     from trainsnap.format.regions import Box
-    from trainsnap.state.capture import capture, targets
+    from trainsnap.state.capture import capture
+    from trainsnap.state.template import targets
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     full = torch.arange(7 * 6, dtype=torch.float32).view(7, 6)  # uneven: 7 rows on 2 ranks

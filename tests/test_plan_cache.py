@@ -122,7 +122,9 @@ def _layout(state: dict) -> bytes:
     from trainsnap.tunables import get
 
     opts = SaveRequest(step=1)
-    local = describe(state, opts, Hasher(opts.checksum, get().block_size), replica_digests=True)
+    local = describe(
+        state, opts, Hasher(opts.options.checksum, get().block_size), replica_digests=True
+    )
     return layout_digest(local.meta(0, 1))
 
 

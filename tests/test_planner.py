@@ -44,11 +44,11 @@ def entry(
     digest: bytes | None = None,
 ) -> Entry:
     region = Box.full(shape) if region is None else region
-    return (key, dtype, shape, region, region.numel * ITEM[dtype], digest)
+    return Entry(key, dtype, shape, region, region.numel * ITEM[dtype], digest)
 
 
 def value(key: str, content: bytes, codec: str = "json") -> Value:
-    return (key, codec, hashlib.blake2b(content, digest_size=16).digest(), len(content))
+    return Value(key, codec, hashlib.blake2b(content, digest_size=16).digest(), len(content))
 
 
 def written(plan: SavePlan) -> dict[tuple[str, Region, int], list[int]]:

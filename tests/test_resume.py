@@ -142,7 +142,9 @@ def test_a_snapshot_without_rng_refuses_strict_and_says_why(tmp_path, caplog):
     got = ts.load(fresh, tmp_path, allow_downgrade=True)
     assert got.level == "training"
     assert any(
-        "level=training" in r.getMessage() for r in caplog.records if r.name == "trainsnap.load"
+        "level=training" in r.getMessage()
+        for r in caplog.records
+        if r.name == "trainsnap.api.snapshots"
     )
     assert any("instead of 'strict'" in r.getMessage() for r in caplog.records)
 

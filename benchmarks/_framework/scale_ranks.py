@@ -248,17 +248,19 @@ class Worker:
         rank running: unpickling its parts, its wants and their digests, the merge, the tree
         plan and the match (the same functions on the same data as in the load)."""
         from trainsnap.protocol import manifest_share, rank_load, tree_load
+        from trainsnap.state.template import walk
 
         state = self.states[rank]
         blobs = [pickle.dumps(part) for part in self.parts_of.pop(rank)]
         start = time.thread_time()
         parts = [pickle.loads(blob) for blob in blobs]
-        wants = manifest_share.wants_of(state)
+        walked = walk(state)
+        wants = manifest_share.wants_of(walked)
         assert wants is not None
         for wanted in manifest_share.classes_of(wants):
             manifest_share.digest_of(wanted)
         manifest = manifest_share.merge(parts)
-        targets = tree_load.plan(state, manifest, rank, True)
+        targets = tree_load.plan(walked, manifest, rank, True)
         rank_load.match(manifest, targets, rank, True)
         return time.thread_time() - start
 

@@ -22,7 +22,7 @@ from trainsnap.errors import (
     NotFoundError,
     TrainsnapError,
 )
-from trainsnap.format.manifest import LEVELS
+from trainsnap.format.manifest import check_level
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
@@ -33,7 +33,7 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, open_storage
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.load")
+log = logging.getLogger(__name__)
 
 
 def save(
@@ -132,8 +132,7 @@ def load(
     older snapshot would not fit either. When none loads, the newest one's error is raised and
     the state's tensors are unusable until a load succeeds. A named id never falls back.
     """
-    if level not in LEVELS:
-        raise InvalidArgumentError(f"level must be one of {LEVELS}, got {level!r}")
+    check_level(level)
     storage = open_storage(root, **dict(storage_options or {}))
     comm = comm_for(coordinator, timeout)
     candidates = [snapshot] if snapshot != "latest" else _newest_first(storage, comm)
@@ -228,7 +227,7 @@ def _load_one(
 ) -> SnapshotInfo:
     started = time.perf_counter()
     with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
-        manifest, reached, nread = run_load(
+        loaded = run_load(
             state,
             storage,
             snapshot,
@@ -238,6 +237,7 @@ def _load_one(
             allow_pickle=allow_pickle,
         )
     seconds = time.perf_counter() - started
+    manifest, reached = loaded.manifest, loaded.level
     # Why the level reached is not higher: a TrainState's plan says (no data cursor, a downgrade).
     reasons = tuple(getattr(state, "restore_reasons", ()) if reached != "strict" else ())
     log.info(
@@ -245,9 +245,9 @@ def _load_one(
         manifest.snapshot_id,
         manifest.step,
         reached,
-        nread,
+        loaded.bytes_read,
         seconds,
-        nread / max(seconds, 1e-9) / 1e6,
+        loaded.bytes_read / max(seconds, 1e-9) / 1e6,
         storage.url,
         f" not_higher_because={'; '.join(reasons)!r}" if reasons else "",
     )

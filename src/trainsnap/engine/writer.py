@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from trainsnap import faults
 from trainsnap.format import compression
 from trainsnap.format.checksums import Hasher
-from trainsnap.format.manifest import object_key
+from trainsnap.format.manifest import StoredObject, object_key
 from trainsnap.storage.base import Storage
 
 
@@ -29,9 +29,9 @@ class WrittenObject:
     frames: tuple[int, ...] = ()
     raw_digests: bytes = b""
 
-    def manifest_row(self) -> tuple[str, int, bytes, str, int, tuple[int, ...], bytes]:
+    def manifest_row(self) -> StoredObject:
         stored = self.size if self.stored < 0 else self.stored
-        return (
+        return StoredObject(
             self.name,
             self.size,
             self.digests,

@@ -24,12 +24,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from trainsnap.errors import IncompatibleError, listed
+from trainsnap.errors import IncompatibleError, InvalidArgumentError, listed
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.regions import Box, Flat, Region, Shape
 
@@ -45,6 +45,7 @@ MANIFEST_NAMES: Final = {
 }
 """The manifest's file name in a snapshot, by format version (formats 3 and 4 are binary)."""
 LEVELS: Final = ("weights", "training", "strict")
+"""The resume levels, lowest first (:func:`check_level` validates one given by a user)."""
 STATE_KINDS: Final = ("model", "optimizer", "scheduler", "scaler", "rng", "data", "extra")
 OBJECT_CODECS: Final = ("raw", "zstd", "bg2+zstd", "bg4+zstd", "bg8+zstd")
 """Object codecs; in format 2 an object's codec is stored as its index here."""
@@ -333,6 +334,28 @@ class Manifest:
 # -- building -------------------------------------------------------------------------------------
 
 
+class StoredObject(NamedTuple):
+    """One stored object as a manifest indexes it."""
+
+    name: str
+    size: int
+    """Decoded size (what chunks address)."""
+    digests: bytes
+    """A digest of each block as stored, in object order."""
+    codec: str = "raw"
+    stored: int | None = None
+    """Bytes on storage (None: the size, as for a raw object)."""
+    frames: Sequence[int] = ()
+    """Each compressed block's stored size (compressed objects only)."""
+    raw_digests: bytes = b""
+    """A digest of each block once decoded (compressed objects only)."""
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes on storage."""
+        return self.size if self.stored is None else self.stored
+
+
 class ManifestBuilder:
     """Accumulates tables in append order; :meth:`build` turns them into a :class:`Manifest`."""
 
@@ -381,6 +404,18 @@ class ManifestBuilder:
             self.frame_parts.append(list(frames))
             self.raw_block_parts.append(raw_digests)
         return i
+
+    def add_stored(self, obj: StoredObject) -> int:
+        """:meth:`add_object` of a written object's record."""
+        return self.add_object(
+            obj.name,
+            obj.size,
+            obj.digests,
+            obj.codec,
+            stored=obj.stored,
+            frames=obj.frames,
+            raw_digests=obj.raw_digests,
+        )
 
     def add_tensor(self, key: str, rank: int, dtype: str, shape: Shape) -> int:
         self.tensors.append((key, rank, dtype, tuple(shape)))
@@ -446,6 +481,14 @@ def referenced_objects(manifests: Iterable[Manifest]) -> set[str]:
     for m in manifests:
         out.update(m.object_names)
     return out
+
+
+def check_level(level: object, name: str = "level") -> str:
+    """``level`` when it is one of :data:`LEVELS`; :class:`InvalidArgumentError` naming the
+    parameter ``name`` otherwise. The one validation of a resume level a user gives."""
+    if not isinstance(level, str) or level not in LEVELS:
+        raise InvalidArgumentError(f"{name} must be one of {LEVELS}, got {level!r}")
+    return level
 
 
 def level_rank(level: str) -> int:

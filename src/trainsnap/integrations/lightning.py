@@ -69,7 +69,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
         "trainsnap.integrations.lightning needs Lightning: pip install 'trainsnap[lightning]'"
     ) from e
 
-log = logging.getLogger("trainsnap.integrations.lightning")
+log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "trainsnap"
 """The root's folder next to the checkpoints when no root is given."""

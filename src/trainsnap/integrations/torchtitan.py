@@ -55,7 +55,7 @@ from torchtitan.tools import filesystem
 
 import trainsnap as ts
 from trainsnap.errors import IncompatibleError, InvalidArgumentError, NotFoundError
-from trainsnap.format.manifest import LEVELS, level_rank
+from trainsnap.format.manifest import check_level, level_rank
 from trainsnap.state.capture import is_stateful
 
 __all__ = ["TrainsnapCheckpointManager"]
@@ -117,10 +117,7 @@ class TrainsnapCheckpointManager(BaseCheckpointManager):
                     "local_folder and local_interval go together: a local tier needs both (got "
                     f"local_folder={self.local_folder!r}, local_interval={self.local_interval})"
                 )
-            if self.resume_level not in LEVELS:
-                raise InvalidArgumentError(
-                    f"resume_level must be one of {LEVELS}, got {self.resume_level!r}"
-                )
+            check_level(self.resume_level, "resume_level")
             if self.initial_load_in_hf or self.last_save_in_hf:
                 raise InvalidArgumentError(
                     "TrainsnapCheckpointManager stores trainsnap snapshots, not Hugging Face "

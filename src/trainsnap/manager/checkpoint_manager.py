@@ -52,6 +52,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
@@ -82,7 +83,7 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state.train_state import TrainState
 from trainsnap.storage import Root, open_storage
 
-log = logging.getLogger("trainsnap.manager")
+log = logging.getLogger(__name__)
 
 _PROCESS_START = time.time()
 """When this process started, as near as it can tell: the kernel's start time of the process,
@@ -561,7 +562,7 @@ class CheckpointManager:
         if tags:
             meta["tags"] = [str(t) for t in tags]
         tree, opts = self.save_options.request(state, step, parts)
-        opts.meta = {**opts.meta, **meta}
+        opts.options = replace(opts.options, meta={**opts.options.meta, **meta})
         target = self.local if self.local is not None else self.durable
         promote_to = self.durable if (tier == "durable" and self.local is not None) else None
         opts.fence = target.fence if self.comm.is_coordinator else None

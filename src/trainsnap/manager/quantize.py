@@ -97,7 +97,7 @@ def quantize_history(
             reader.read_payload(owner, off, off + n, memoryview(buf), f"payload {owner}")
             parts.append(memoryview(_round_to_bf16(bytes(buf)) if lossy else buf))
         w = write_object(storage, m.hasher, gather(parts, obj.size), obj.codec)
-        index.append(b.add_object(*w.manifest_row()))
+        index.append(b.add_stored(w.manifest_row()))
     chunks = [[(index[o], off, n) for o, off, n in cs] for cs in layout.chunks]
     k = 0
     for ti, key in enumerate(m.tensor_keys):

@@ -45,20 +45,21 @@ def assemble(
     topology: Mapping[str, Any],
 ) -> Manifest:
     """One manifest from the reports: tensors sorted by key, shards by position."""
+    options = opts.options
     b = ManifestBuilder(
         snapshot_id=snapshot_id,
         created=now_iso(),
         step=opts.step,
-        level=opts.level,
+        level=options.level,
         algorithm=hasher.algorithm,
         block_size=hasher.block_size,
-        tokens_seen=opts.tokens_seen,
-        samples_seen=opts.samples_seen,
-        data_cursor=opts.data_cursor,
+        tokens_seen=options.tokens_seen,
+        samples_seen=options.samples_seen,
+        data_cursor=options.data_cursor,
         state_kinds={k: bool(opts.state_kinds.get(k, False)) for k in STATE_KINDS},
-        versions=library_versions(opts.user_versions),
+        versions=library_versions(options.versions),
         topology=dict(topology),
-        meta=dict(opts.meta),
+        meta=dict(options.meta),
         tree=plan.tree,
     )
     decoded: dict[bytes, Any] = plan.decoded
@@ -66,15 +67,17 @@ def assemble(
     shards = defaultdict(list)
     values: list[tuple[str, int, str, list[tuple[int, int, int]]]] = []
     for rank, report in enumerate(reports):
-        index = [b.add_object(*row) for row in report.objects]
+        index = [b.add_stored(obj) for obj in report.objects]
         if report.entries:
             entries = flat_entries(metas[rank], decoded)
             for i, scope, chunks in report.entries:
-                key, _dtype, _shape, region, _n, _d = entries[i]
-                shards[(key, scope)].append((region, [(index[o], off, n) for o, off, n in chunks]))
+                entry = entries[i]
+                placed = [(index[o], off, n) for o, off, n in chunks]
+                shards[(entry.key, scope)].append((entry.region, placed))
         for i, scope, chunks in report.values:
-            key, codec, _digest, _n = metas[rank].values[i]
-            values.append((key, scope, codec, [(index[o], off, n) for o, off, n in chunks]))
+            value = metas[rank].values[i]
+            placed = [(index[o], off, n) for o, off, n in chunks]
+            values.append((value.key, scope, value.codec, placed))
     for (key, scope), (dtype, shape) in sorted(plan.tensors.items()):
         t = b.add_tensor(key, scope, dtype, shape)
         for region, chunks in sorted(shards.get((key, scope), []), key=lambda s: _order(s[0])):

@@ -27,6 +27,7 @@ from trainsnap.errors import (
     CorruptError,
     IncompatibleError,
     IncompleteError,
+    InvalidArgumentError,
     NotFoundError,
     TrainsnapError,
 )
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 def new_snapshot_id(step: int) -> str:
     """``step-<12 digits>-<8 random hex>``: sorts by step, unique across attempts and jobs."""
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
     return f"step-{step:012d}-{secrets.token_hex(4)}"
 
 

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
-from trainsnap.errors import CommitFailedError, LoadFailedError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, LoadFailedError
 from trainsnap.protocol.planner import PlanMemory
 from trainsnap.protocol.store_ops import (
     CLIENTS_LOCK,
@@ -173,7 +173,10 @@ class StoreComm:
         namespace: str = "trainsnap",
     ) -> None:
         if not 0 <= coordinator < world_size:
-            raise ValueError(f"coordinator {coordinator} outside world of {world_size}")
+            raise InvalidArgumentError(
+                f"coordinator {coordinator} outside world of {world_size}: pass coordinator= "
+                f"a rank in 0..{world_size - 1}"
+            )
         self.store = store
         self.rank, self.world_size, self.coordinator = rank, world_size, coordinator
         self.timeouts = timeouts or Timeouts()

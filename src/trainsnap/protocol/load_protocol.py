@@ -12,6 +12,9 @@ Every rank calls :func:`run_load`:
    raises everywhere, and step 5 is not run. Tensors were filled in place while reading, so a
    failed load leaves them partly or wholly filled: load again before using the state.
 5. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
+
+The state is walked once for all of it (:class:`_Template`, :mod:`trainsnap.state.template`):
+what a rank wants in step 2, the plan, the reads and the fill in step 3 read the walked nodes.
 """
 
 from __future__ import annotations
@@ -20,21 +23,33 @@ import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainsnap import trace
 from trainsnap.engine.reader import Reader
 from trainsnap.errors import LoadFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest, keys_summary
+from trainsnap.format.manifest_part import Wants
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, manifest_share, replica_reads, tree_load
 from trainsnap.protocol.collective import all_reduce
 from trainsnap.protocol.control_plane import Comm, Session
 from trainsnap.protocol.rank_load import fill, read_value
 from trainsnap.protocol.replica_reads import Replicas
-from trainsnap.state.capture import targets
-from trainsnap.state.train_state import TrainState
+from trainsnap.state.capture import check_root
+from trainsnap.state.template import Node, Walker, targets_of
+from trainsnap.state.train_state import LoadTrees, TrainState
 from trainsnap.storage.base import Storage
+
+
+class Loaded(NamedTuple):
+    """What a load gave this rank."""
+
+    manifest: Manifest
+    level: str
+    """The resume level reached."""
+    bytes_read: int
+    """Bytes this rank read (manifest parts not included)."""
 
 
 def run_load(
@@ -46,8 +61,8 @@ def run_load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
-) -> tuple[Manifest, str, int]:
-    """Load on every rank; returns (manifest, level reached, bytes read on this rank)."""
+) -> Loaded:
+    """Load on every rank; raises the load's failure on every rank when any rank failed."""
     session = comm.session("load")
     try:
         return _load(state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle)
@@ -115,10 +130,40 @@ class _Loaded:
 
 
 @dataclass(slots=True)
+class _Template:
+    """This rank's state as its load sees it, walked once: the nodes say what the rank wants
+    (step 2) and are what the plan, the reads and the fill use (step 3)."""
+
+    state: Any
+    walker: Walker = field(default_factory=Walker)
+    trees: LoadTrees | None = None
+    """A :class:`TrainState`'s model and optimizer trees, taken once (step 2 or 3)."""
+    _walked: tuple[Any, Node] | None = None
+
+    def walked(self, obj: Any) -> Node:
+        """The node of ``obj`` (the state, or the tree a TrainState plans), walked once."""
+        if self._walked is None or self._walked[0] is not obj:
+            check_root(obj)
+            self._walked = (obj, self.walker.walk(obj))
+        return self._walked[1]
+
+    def wants(self) -> Wants | None:
+        """Step 2: what this rank's state may read (None: it cannot say; its plan will)."""
+        try:
+            if isinstance(self.state, TrainState):
+                self.trees = self.state.load_trees()
+                tree = {} if self.trees is None else self.trees.as_tree()
+                return manifest_share.wants_of(self.walker.walk(tree), self.state.load_keys())
+            return manifest_share.wants_of(self.walked(self.state))
+        except TrainsnapError:
+            return None
+
+
+@dataclass(slots=True)
 class _Read:
     """One rank's read: its reader, and what the read made."""
 
-    state: Any
+    template: _Template
     reader: Reader
     tree: Any = None
     reached: str = ""
@@ -135,7 +180,8 @@ def _read(
     replicas: Replicas | None,
 ) -> _Loaded:
     """Step 3 (all ranks): plan the level, read and verify straight into the state."""
-    state, reader, m = read.state, read.reader, read.reader.m
+    template, reader, m = read.template, read.reader, read.reader.m
+    state = template.state
     read.tree, read.reached = state, level
     if isinstance(state, TrainState):
         plan = state.plan_load(
@@ -144,15 +190,17 @@ def _read(
             world_size=comm.world_size,
             allow_downgrade=allow_downgrade,
             read_value=lambda key: read_value(reader, key, comm.rank),
+            trees=template.trees,
         )
         read.tree, read.reached = plan.tree, plan.level
     with trace.span("read") as ev:
         same = m.world_size == comm.world_size
         alone = comm.world_size == 1
+        walked = template.walked(read.tree)
         wanted = (
-            targets(read.tree)
+            targets_of(walked)
             if m.tree is None
-            else tree_load.plan(read.tree, m, comm.rank, same, alone=alone)
+            else tree_load.plan(walked, m, comm.rank, same, alone=alone)
         )
         read.left_out = wanted.left_out
         fill(
@@ -181,18 +229,19 @@ def _load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
-) -> tuple[Manifest, str, int]:
+) -> Loaded:
     with trace.span("resolve"):
         sid = _resolve(storage, snapshot, comm, session)
     with trace.span("open"):
         # Every rank raises the coordinator's failure here alike: no further agreement needed.
-        m, sharing, share = manifest_share.manifest_for(storage, sid, state, comm, session)
+        template = _Template(state)
+        m, sharing, share = manifest_share.manifest_for(storage, sid, template.wants, comm, session)
         replicas = None
         if share:  # every rank, in the same order: the data group is made collectively
             group = replica_reads.data_group()
             if sharing:
                 replicas = Replicas(sharing, comm.rank, group)
-    read = _Read(state, Reader(storage, m))  # one reader: each block read and verified once
+    read = _Read(template, Reader(storage, m))  # one reader: each block read and verified once
 
     def local() -> _Loaded:
         try:
@@ -220,4 +269,4 @@ def _load(
         raise failure(failed)
     if isinstance(state, TrainState):
         state.apply(read.tree)
-    return m, read.reached, read.nread
+    return Loaded(m, read.reached, read.nread)

@@ -32,7 +32,7 @@ import bisect
 import hashlib
 import pickle
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainsnap import tunables
@@ -45,8 +45,7 @@ from trainsnap.protocol import commit, replica_reads
 from trainsnap.protocol.control_plane import Comm, Session
 from trainsnap.protocol.outcome import decided, told
 from trainsnap.protocol.replica_reads import Sharing
-from trainsnap.state.capture import is_stateful, state_dict_of, targets
-from trainsnap.state.train_state import TrainState
+from trainsnap.state.template import Node, failed, root_mapping, tensor_nodes
 from trainsnap.storage.base import Storage
 
 MAX_CLASSES = 4096
@@ -57,20 +56,19 @@ WHOLE = "whole"
 wants."""
 
 
-def wants_of(state: Any) -> Wants | None:
-    """What loading ``state`` may read; None (everything) when the state cannot say, so that
-    its planning reports the problem as the load's error."""
+def wants_of(walked: Node, tops: Sequence[str] | None = None) -> Wants | None:
+    """What loading the walked state (:mod:`trainsnap.state.template`) may read: under
+    ``tops`` (default: the state's top-level keys), the regions of its tensors filled in place
+    by a shard. None (everything) when the state cannot say, so that its planning reports the
+    problem as the load's error. O(nodes); reads the nodes, never the state."""
     try:
-        if isinstance(state, TrainState):
-            tops, templates = state.load_wants()
-        else:
-            root = state
-            if is_stateful(state) and not isinstance(state, Mapping):
-                root = state_dict_of(state, "")
-            tops = [tree.join("", k) for k in root if tree.is_key(k)]
-            templates = root
+        if tops is None:
+            tops = [tree.join("", k) for k, _ in root_mapping(walked).children if tree.is_key(k)]
+        if failed(walked) is not None:
+            return None
         regions: dict[str, list[Region]] = {}
-        for item in targets(templates).tensors:
+        for node in tensor_nodes(walked):
+            item = node.described()
             if item.region != Box.full(item.global_shape):
                 regions.setdefault(item.key, []).append(item.region)
     except TrainsnapError:
@@ -98,15 +96,20 @@ def digest_of(wants: Wants) -> str:
 
 
 def manifest_for(
-    storage: Storage, snapshot_id: str, state: Any, comm: Comm, session: Session
+    storage: Storage,
+    snapshot_id: str,
+    wanted: Callable[[], Wants | None],
+    comm: Comm,
+    session: Session,
 ) -> tuple[Manifest, Sharing, bool]:
-    """The manifest of ``snapshot_id`` as far as this rank's ``state`` needs it (the whole
-    manifest in a world of one); with which ranks it shares the reads of which top-level keys;
-    and whether any ranks share reads in this load (the same on every rank: when it is true,
-    every rank takes part in making the data group, :func:`replica_reads.data_group`)."""
+    """The manifest of ``snapshot_id`` as far as this rank's state needs it (``wanted()``, asked
+    in a world of more than one; the whole manifest in a world of one); with which ranks it
+    shares the reads of which top-level keys; and whether any ranks share reads in this load
+    (the same on every rank: when it is true, every rank takes part in making the data group,
+    :func:`replica_reads.data_group`)."""
     if comm.world_size == 1:
         return commit.open_snapshot(storage, snapshot_id), [], False
-    wants = wants_of(state)
+    wants = wanted()
     classes = [] if wants is None else classes_of(wants)
     digests = None if wants is None else [digest_of(c) for c in classes]
     error: TrainsnapError | None = None

@@ -20,23 +20,63 @@ import pickle
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from trainsnap.format import tree
 from trainsnap.format.regions import Flat, Region, Shape, tiling_problems
 
 GLOBAL = -1
 
-Entry = tuple[str, str, Shape, Region, int, bytes | None]
-"""(key, dtype name, global shape, region, nbytes, content digest or None).
 
-The digest is given for undeclared replicas (a plain tensor that several ranks may hold): the
-plan stores it once only if every holder's bytes are identical. Declared layouts (``DTensor``,
-``ts.Sharded``) carry ``None`` and are deduplicated by region alone.
-"""
+class Entry(NamedTuple):
+    """One tensor entry of a rank: a region of a logical tensor it holds.
 
-Value = tuple[str, str, bytes, int]
-"""(key, codec, content digest, nbytes) of a plain value."""
+    ``digest`` is given for undeclared replicas (a plain tensor that several ranks may hold):
+    the plan stores it once only if every holder's bytes are identical. Declared layouts
+    (``DTensor``, ``ts.Sharded``) carry ``None`` and are deduplicated by region alone.
+    """
+
+    key: str
+    dtype: str
+    """The dtype's name (:func:`trainsnap.format.values.dtype_name`)."""
+    shape: Shape
+    """The logical tensor's global shape."""
+    region: Region
+    nbytes: int
+    digest: bytes | None
+
+
+class Value(NamedTuple):
+    """One plain value of a rank, encoded."""
+
+    key: str
+    codec: str
+    digest: bytes
+    """Digest of the encoded bytes."""
+    nbytes: int
+
+
+class Assigned(NamedTuple):
+    """One payload a rank writes, and its scope."""
+
+    item: int
+    """Its index in the rank's flattened entries (or in its values)."""
+    scope: int
+    """``GLOBAL``, or the rank whose own copy it is."""
+
+
+# Records travel between ranks as plain tuples: a named tuple pickles several times slower,
+# and a large job's plan moves millions. These make them records again on arrival without
+# the per-field Python constructor.
+_as_entry = partial(tuple.__new__, Entry)
+_as_value = partial(tuple.__new__, Value)
+_as_assigned = partial(tuple.__new__, Assigned)
+
+
+def _decode(blob: bytes) -> list[Entry]:
+    """The entries of a blob :meth:`RankMeta.pack` made. O(entries)."""
+    return list(map(_as_entry, pickle.loads(blob)))
 
 
 @dataclass(slots=True)
@@ -44,7 +84,8 @@ class RankMeta:
     rank: int
     step: int
     groups: list[tuple[str, bytes]] = field(default_factory=list)
-    """(top-level key, pickled list of :data:`Entry`) -- identical blobs are processed once."""
+    """(top-level key, pickled list of :class:`Entry`, as plain tuples) -- identical blobs are
+    processed once."""
     values: list[Value] = field(default_factory=list)
     error: str | None = None
     """Set when this rank could not even describe its state; the save is refused everywhere."""
@@ -57,11 +98,30 @@ class RankMeta:
     """True when ``groups`` and ``tree`` were left out: the layout is the one this rank sent
     last, which the coordinator's :class:`PlanCache` holds."""
 
+    def __getstate__(self) -> tuple[Any, ...]:
+        """Pickled with plain tuples for records (see ``_as_entry``)."""
+        values = list(map(tuple, self.values))
+        return (
+            self.rank,
+            self.step,
+            self.groups,
+            values,
+            self.error,
+            self.tree,
+            self.layout,
+            self.cached,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.rank, self.step, self.groups, values, self.error, self.tree = state[:6]
+        self.layout, self.cached = state[6:]
+        self.values = list(map(_as_value, values))
+
     @staticmethod
     def pack(
         rank: int, step: int, entries: Sequence[Entry], values: list[Value], tree: Any = None
     ) -> RankMeta:
-        by_group: dict[str, list[Entry]] = defaultdict(list)
+        by_group: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
         # Equal shapes and regions made one object each: pickle then writes each once per blob,
         # and the coordinator decodes a rank's thousand shards into a few dozen boxes, not a
         # thousand (a quarter less to send; a third fewer objects for its garbage collector).
@@ -69,20 +129,31 @@ class RankMeta:
         regions: dict[Region, Region] = {}
         for key, dtype, shape, region, nbytes, digest in entries:
             shared = (shapes.setdefault(shape, shape), regions.setdefault(region, region))
+            # Plain tuples on the wire: a named tuple pickles to more bytes and loads slower.
             by_group[key.split(".", 1)[0]].append((key, dtype, *shared, nbytes, digest))
         groups = [(g, pickle.dumps(es, protocol=5)) for g, es in by_group.items()]
-        return RankMeta(rank, step, groups, values, tree=tree)
+        return RankMeta(rank, step, groups, list(map(_as_value, values)), tree=tree)
 
 
 @dataclass(slots=True)
 class Assignment:
     snapshot_id: str = ""
-    entries: list[tuple[int, int]] = field(default_factory=list)
-    """(index in this rank's flattened entries, scope) of each entry it writes."""
-    values: list[tuple[int, int]] = field(default_factory=list)
-    """(index in this rank's values, scope) of each value it writes."""
+    entries: list[Assigned] = field(default_factory=list)
+    """The entries it writes (indices in this rank's flattened entries)."""
+    values: list[Assigned] = field(default_factory=list)
+    """The values it writes (indices in this rank's values)."""
     problems: list[str] = field(default_factory=list)
     """Why the save is refused (identical on every rank); empty when it goes ahead."""
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        """Pickled with plain tuples for records (see ``_as_entry``)."""
+        entries, values = list(map(tuple, self.entries)), list(map(tuple, self.values))
+        return (self.snapshot_id, entries, values, self.problems)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.snapshot_id, entries, values, self.problems = state
+        self.entries = list(map(_as_assigned, entries))
+        self.values = list(map(_as_assigned, values))
 
 
 @dataclass(slots=True)
@@ -109,7 +180,7 @@ def flat_entries(meta: RankMeta, decoded: dict[bytes, list[Entry]]) -> list[Entr
     for _g, blob in meta.groups:
         es = decoded.get(blob)
         if es is None:
-            es = decoded[blob] = pickle.loads(blob)
+            es = decoded[blob] = _decode(blob)
         out.extend(es)
     return out
 
@@ -156,7 +227,7 @@ class _Uniques:
 
     def differs(self, uid: int) -> bool:
         """True when every holder gave a content digest and they do not all agree."""
-        digests = {self.blobs[b][i][5] for b, i in self.sources(uid)}
+        digests = {self.blobs[b][i].digest for b, i in self.sources(uid)}
         return None not in digests and len(digests) > 1
 
 
@@ -207,7 +278,7 @@ class PlanCache:
     layouts: list[bytes]
     metas: list[RankMeta]
     plan: SavePlan
-    entries: list[list[tuple[int, int]]]
+    entries: list[list[Assigned]]
     """Each rank's tensor assignment in that plan."""
     loads: list[int]
     """Tensor bytes per rank in that plan (values are assigned afresh every save)."""
@@ -221,7 +292,7 @@ def layout_digest(meta: RankMeta) -> bytes:
         h.update(group.encode())
         h.update(len(blob).to_bytes(8, "little"))
         h.update(blob)
-    h.update(json.dumps([[key, codec] for key, codec, _d, _n in meta.values]).encode())
+    h.update(json.dumps([[v.key, v.codec] for v in meta.values]).encode())
     h.update(json.dumps(meta.tree).encode())
     return h.digest()
 
@@ -284,7 +355,7 @@ def _tensor_loads(plan: SavePlan, metas: list[RankMeta]) -> list[int]:
     loads = list(plan.bytes_per_rank)
     for rank, a in enumerate(plan.assignments):
         values = metas[rank].values
-        loads[rank] -= sum(values[i][3] for i, _ in a.values)
+        loads[rank] -= sum(values[i].nbytes for i, _ in a.values)
     return loads
 
 
@@ -338,7 +409,7 @@ def plan_local(
     pickled (the pause of an asynchronous save includes planning)."""
     problems: list[str] = []
     tensors: dict[tuple[str, int], tuple[str, Shape]] = {}
-    for key, dtype, shape, region, _n, _d in entries:
+    for key, dtype, shape, region, _nbytes, _digest in entries:
         tensors[(key, GLOBAL)] = (dtype, shape)
         if region.numel != _numel(shape):
             for why in tiling_problems([region], shape, limit=3):
@@ -349,10 +420,10 @@ def plan_local(
         return _refuse(1, problems[:20])
     a = Assignment(
         snapshot_id=snapshot_id,
-        entries=[(i, GLOBAL) for i in range(len(entries))],
-        values=[(i, GLOBAL) for i in range(len(values))],
+        entries=[Assigned(i, GLOBAL) for i in range(len(entries))],
+        values=[Assigned(i, GLOBAL) for i in range(len(values))],
     )
-    loads = [sum(e[4] for e in entries) + sum(v[3] for v in values)]
+    loads = [sum(e.nbytes for e in entries) + sum(v.nbytes for v in values)]
     meta = RankMeta(0, step, [("", _LOCAL_BLOB)], values, tree=structure)
     return SavePlan([a], loads, tensors, {_LOCAL_BLOB: list(entries)}, [meta], structure)
 
@@ -375,7 +446,7 @@ def _collect(
     seen: dict[str, dict[Region, int]] = {}
     for b, blob_entries in enumerate(uniques.blobs):
         for i, e in enumerate(blob_entries):
-            key, dtype, shape, region = e[0], e[1], e[2], e[3]
+            key, dtype, shape, region = e.key, e.dtype, e.shape, e.region
             by_region = seen.get(key)
             if by_region is None:
                 by_region = seen[key] = {}
@@ -386,9 +457,9 @@ def _collect(
                 index_of.append(i)
                 continue
             first = entries[uid]
-            if first[1] != dtype or first[2] != shape:
+            if first.dtype != dtype or first.shape != shape:
                 problems.append(
-                    f"{key!r}: ranks disagree on dtype/shape ({first[1]} {list(first[2])} vs "
+                    f"{key!r}: ranks disagree on dtype/shape ({first.dtype} {list(first.shape)} vs "
                     f"{dtype} {list(shape)}, rank {uniques.holders[b][0][0]})"
                 )
                 continue
@@ -408,7 +479,7 @@ def _blobs(metas: list[RankMeta], decoded: dict[bytes, list[Entry]]) -> _Uniques
                 slot = slots[blob] = len(uniques.blobs)
                 es = decoded.get(blob)
                 if es is None:
-                    es = decoded[blob] = pickle.loads(blob)
+                    es = decoded[blob] = _decode(blob)
                 uniques.blobs.append(es)
                 uniques.holders.append([])
             uniques.holders[slot].append((m.rank, offset))
@@ -435,23 +506,23 @@ def _scope_and_check(
     scopes: list[int] = []
     head: dict[str, Entry] = {}  # each key's first entry: its dtype and shape
     for uid, e in enumerate(uniques.entries):
-        key = e[0]
+        key = e.key
         first = head.setdefault(key, e)
-        if first is not e and (first[1] != e[1] or first[2] != e[2]):
-            was, now = (first[1], first[2]), (e[1], e[2])
+        if first is not e and (first.dtype != e.dtype or first.shape != e.shape):
+            was, now = (first.dtype, first.shape), (e.dtype, e.shape)
             problems.append(f"{key!r}: ranks disagree on dtype/shape ({was} vs {now})")
             continue
         if uid in uniques.more and uniques.differs(uid):
             for rank, _index in uniques.holders_of(uid):
-                tensors[(key, rank)] = (e[1], e[2])
+                tensors[(key, rank)] = (e.dtype, e.shape)
                 ids.append(uid)
                 scopes.append(rank)
             continue
         rs = regions.get(key)
         if rs is None:
             rs = regions[key] = []
-            tensors[(key, GLOBAL)] = (e[1], e[2])
-        rs.append(e[3])
+            tensors[(key, GLOBAL)] = (e.dtype, e.shape)
+        rs.append(e.region)
         ids.append(uid)
         scopes.append(GLOBAL)
     problems += _tiling(regions, head)
@@ -465,7 +536,7 @@ def _tiling(regions: dict[str, list[Region]], head: dict[str, Entry]) -> list[st
     # list a layout's regions in the same order almost always, so that order is tried first.
     checked: dict[tuple[Shape, tuple[Region, ...]], list[str]] = {}
     for key, rs in regions.items():
-        shape = head[key][2]
+        shape = head[key].shape
         if len(rs) == 1 and rs[0].numel == _numel(shape):
             continue  # the common case: one full region
         as_listed = (shape, tuple(rs))
@@ -503,14 +574,14 @@ def _assign_own(
     entries, blob_of, index_of = uniques.entries, uniques.blob, uniques.index
     for uid, scope in zip(*scoped, strict=True):
         if scope != GLOBAL:  # a rank's own copy: that rank writes it
-            out[scope].entries.append((uniques.index_on(uid, scope), scope))
-            loads[scope] += entries[uid][4]
+            out[scope].entries.append(Assigned(uniques.index_on(uid, scope), scope))
+            loads[scope] += entries[uid].nbytes
             continue
         src = uniques.holders[blob_of[uid]]
         if len(src) == 1 and uid not in uniques.more:
             rank, offset = src[0]
-            out[rank].entries.append((offset + index_of[uid], GLOBAL))
-            loads[rank] += entries[uid][4]
+            out[rank].entries.append(Assigned(offset + index_of[uid], GLOBAL))
+            loads[rank] += entries[uid].nbytes
         else:
             replicated.append(uid)
     return replicated
@@ -523,7 +594,7 @@ def _balance(
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     groups: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}  # blob -> ranks, offsets
     entries, blob_of, index_of = uniques.entries, uniques.blob, uniques.index
-    sizes = [entries[uid][4] for uid in replicated]
+    sizes = [entries[uid].nbytes for uid in replicated]
     # Stable: equal sizes keep their order (the reverse of a stable sort is stable too).
     for k in sorted(range(len(replicated)), key=sizes.__getitem__, reverse=True):
         uid = replicated[k]
@@ -544,7 +615,7 @@ def _balance(
             heapq.heapreplace(heap, (loads[heap[0][1]], heap[0][1]))
         r = heap[0][1]
         index = uniques.index_on(uid, r) if offsets is None else offsets[r] + index_of[uid]
-        out[r].entries.append((index, GLOBAL))
+        out[r].entries.append(Assigned(index, GLOBAL))
         loads[r] += sizes[k]
         heapq.heapreplace(heap, (loads[r], r))
 
@@ -560,16 +631,16 @@ def _group(holders: list[tuple[int, int]]) -> tuple[tuple[int, ...], dict[int, i
 def _assign_values(metas: list[RankMeta], loads: list[int], out: list[Assignment]) -> None:
     """A value identical on every rank that holds it is stored once (by the least-loaded
     holder); a value that differs between ranks is stored per rank."""
-    holders: dict[str, list[tuple[int, int, bytes, int]]] = defaultdict(list)
+    holders: dict[str, list[tuple[int, int, Value]]] = defaultdict(list)
     for m in metas:
-        for i, (key, _codec, digest, nbytes) in enumerate(m.values):
-            holders[key].append((m.rank, i, digest, nbytes))
+        for i, value in enumerate(m.values):
+            holders[value.key].append((m.rank, i, value))
     for _key, hs in holders.items():
-        if len({d for _, _, d, _ in hs}) == 1:
-            rank, i, _, nbytes = min(hs, key=lambda h: (loads[h[0]], h[0]))
-            out[rank].values.append((i, GLOBAL))
-            loads[rank] += nbytes
+        if len({v.digest for _, _, v in hs}) == 1:
+            rank, i, value = min(hs, key=lambda h: (loads[h[0]], h[0]))
+            out[rank].values.append(Assigned(i, GLOBAL))
+            loads[rank] += value.nbytes
         else:
-            for rank, i, _, nbytes in hs:
-                out[rank].values.append((i, rank))
-                loads[rank] += nbytes
+            for rank, i, value in hs:
+                out[rank].values.append(Assigned(i, rank))
+                loads[rank] += value.nbytes

@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,48 +24,53 @@ from trainsnap.errors import InvalidArgumentError, TrainsnapError
 from trainsnap.format import compression, values
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import SaveLayout, layout_objects
-from trainsnap.format.manifest import LEVELS, STATE_KINDS
+from trainsnap.format.manifest import STATE_KINDS, StoredObject, check_level
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol.planner import GLOBAL, Assignment, Entry, RankMeta, Value
 from trainsnap.state.capture import Captured, TensorItem, capture
+from trainsnap.state.train_state import TrainState
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, kw_only=True)
-class SaveRequest:
-    """What a save records beyond the state itself."""
+@dataclass(kw_only=True, slots=True)
+class SaveOptions:
+    """Options of :func:`trainsnap.save`, :func:`trainsnap.async_save` and the manager's saves.
 
-    step: int
+    A :class:`~trainsnap.TrainState` supplies the level, versions and counters itself; the
+    fields here add to or override them (:meth:`request`). Raises
+    :class:`~trainsnap.InvalidArgumentError` for an unknown level or compression.
+    """
+
     level: str = "strict"
-    """The resume level this snapshot can give (what the state held)."""
+    """The resume level the snapshot offers when the state is a plain mapping (a TrainState
+    decides its own: it only offers what it really captured)."""
     tokens_seen: int | None = None
+    """Tokens trained on so far, recorded in the manifest and listings."""
     samples_seen: int | None = None
+    """Samples trained on so far."""
     data_cursor: Any = None
-    state_kinds: Mapping[str, bool] = field(default_factory=dict)
-    user_versions: Mapping[str, Any] = field(default_factory=dict)
+    """Where the data pipeline is (plain data), checked on a strict resume."""
+    versions: Mapping[str, Any] = field(default_factory=dict)
+    """User versions (model, tokenizer, code, data, container) a strict resume must match."""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form plain data kept in the manifest."""
     allow_pickle: PickleKeys = False
+    """Store values that are not plain data with pickle: True for all, or the dotted keys whose
+    values may be pickled (``("hyper_parameters",)``); loading them needs the same opt-in."""
     checksum: str = "xxh3-128"
+    """The block checksum algorithm."""
     compression: str | Mapping[str, str | None] | None = None
-    """Lossless compression of tensor data: None, "zstd" or "bytegroup+zstd", for everything or
-    per top-level key (``{"optim": "bytegroup+zstd"}``). Values are never compressed."""
+    """Lossless compression of tensor data: ``"zstd"``, ``"bytegroup+zstd"``, or a mapping from
+    top-level key to either (``{"optim": "bytegroup+zstd"}``). Values are never compressed."""
     chunk_size: int | None = None
-    """Object size for large tensors (default: the ``chunk_size`` tunable). Smaller chunks make
-    incremental snapshots finer-grained (an unchanged chunk is referenced, not rewritten) at the
-    cost of more objects."""
-    fence: Callable[[], None] | None = None
-    """Raises when this writer may no longer commit (see :mod:`trainsnap.manager.lease`)."""
-    on_commit: Callable[[Any, int], None] | None = None
-    """Called on the coordinator with the manifest and the bytes written once committed
-    (restart log, retention, collection)."""
+    """Object size of large tensors (default: the ``chunk_size`` tunable); smaller chunks make
+    incremental snapshots finer-grained (an unchanged chunk is referenced, not rewritten) at
+    the cost of more objects."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {self.step!r}")
-        if self.level not in LEVELS:
-            raise InvalidArgumentError(f"level must be one of {LEVELS}, got {self.level!r}")
+        check_level(self.level)
         settings = (
             self.compression.values()
             if isinstance(self.compression, Mapping)
@@ -76,6 +81,49 @@ class SaveRequest:
                 compression.codec_for(setting, 4)
             except TrainsnapError as e:
                 raise InvalidArgumentError(e.message) from None
+
+    def request(
+        self, state: Any, step: int, parts: Collection[str] | None = None
+    ) -> tuple[Any, SaveRequest]:
+        """The tree to save and what the save records; a :class:`TrainState` gives its tree,
+        kinds, level, versions and counters (only ``parts`` of it, when given), which these
+        options add to or override. The request holds copies of ``versions`` and ``meta``: an
+        asynchronous save records them as they were when it was asked for."""
+        if not isinstance(state, TrainState):
+            copied = replace(self, versions=dict(self.versions), meta=dict(self.meta))
+            return state, SaveRequest(step=step, options=copied)
+        tokens, samples = state.counters()
+        resolved = replace(
+            self,
+            level=state.offered_level(parts),
+            versions={**state.versions, **self.versions},
+            meta=dict(self.meta),
+            tokens_seen=tokens if self.tokens_seen is None else self.tokens_seen,
+            samples_seen=samples if self.samples_seen is None else self.samples_seen,
+            data_cursor=state.data_cursor() if self.data_cursor is None else self.data_cursor,
+        )
+        request = SaveRequest(step=step, options=resolved, state_kinds=state.kinds(parts))
+        return state.save_tree(parts), request
+
+
+@dataclass(slots=True, kw_only=True)
+class SaveRequest:
+    """One save: its step, its options as they apply to the state saved (a TrainState's level,
+    versions and counters filled in by :meth:`SaveOptions.request`), and the caller's hooks."""
+
+    step: int
+    options: SaveOptions = field(default_factory=SaveOptions)
+    state_kinds: Mapping[str, bool] = field(default_factory=dict)
+    """Which of :data:`~trainsnap.format.manifest.STATE_KINDS` the state holds."""
+    fence: Callable[[], None] | None = None
+    """Raises when this writer may no longer commit (see :mod:`trainsnap.manager.lease`)."""
+    on_commit: Callable[[Any, int], None] | None = None
+    """Called on the coordinator with the manifest and the bytes written once committed
+    (restart log, retention, collection)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {self.step!r}")
         unknown = set(self.state_kinds) - set(STATE_KINDS)
         if unknown:
             raise InvalidArgumentError(
@@ -114,7 +162,7 @@ class Local:
         """The object codec of tensor entry ``i``."""
         setting = self.compression
         if isinstance(setting, Mapping):
-            setting = setting.get(self.entries[index][0].split(".", 1)[0])
+            setting = setting.get(self.entries[index].key.split(".", 1)[0])
         return compression.codec_for(setting, self.captured.tensors[index].local.element_size())
 
     def payload(self, index: int) -> memoryview:
@@ -127,7 +175,7 @@ class Local:
 
     @property
     def nbytes(self) -> int:
-        return sum(e[4] for e in self.entries) + sum(len(b) for b in self.value_bytes)
+        return sum(e.nbytes for e in self.entries) + sum(len(b) for b in self.value_bytes)
 
 
 def describe(state: Any, opts: SaveRequest, hasher: Hasher, *, replica_digests: bool) -> Local:
@@ -135,7 +183,8 @@ def describe(state: Any, opts: SaveRequest, hasher: Hasher, *, replica_digests: 
     so a state that cannot be saved fails before anything is written. With several ranks, plain
     tensors are hashed so the plan can tell true replicas from per-rank tensors."""
     cap = capture(state)
-    local = Local(cap, [], [], [], chunk_size=opts.chunk_size, compression=opts.compression)
+    options = opts.options
+    local = Local(cap, [], [], [], chunk_size=options.chunk_size, compression=options.compression)
     sizes = [t.region.numel * t.local.element_size() for t in cap.tensors]
     digests: dict[int, bytes] = {}
     if replica_digests:
@@ -143,12 +192,12 @@ def describe(state: Any, opts: SaveRequest, hasher: Hasher, *, replica_digests: 
         digests = dict(zip(plain, _digests(local, plain, sizes, hasher), strict=True))
     for i, t in enumerate(cap.tensors):
         dtype = values.dtype_name(t.local.dtype)
-        entry = (t.key, dtype, t.global_shape, t.region, sizes[i], digests.get(i))
+        entry = Entry(t.key, dtype, t.global_shape, t.region, sizes[i], digests.get(i))
         local.entries.append(entry)
     for v in cap.values:
-        c, data = values.encode(v.value, v.key, allow_pickle=opts.allow_pickle)
+        c, data = values.encode(v.value, v.key, allow_pickle=options.allow_pickle)
         local.value_bytes.append(data)
-        local.values.append((v.key, c, hasher.digest(data), len(data)))
+        local.values.append(Value(v.key, c, hasher.digest(data), len(data)))
     return local
 
 
@@ -182,18 +231,24 @@ Chunks = list[tuple[int, int, int]]
 """(object index in the report, offset in the object, length) per chunk of one payload."""
 
 
+class Written(NamedTuple):
+    """One payload a rank wrote: which, under which scope, and where its bytes went."""
+
+    item: int
+    """Its index in the rank's flattened entries (or in its values)."""
+    scope: int
+    chunks: Chunks
+
+
 @dataclass(slots=True)
 class WriteReport:
     """What one rank wrote, for the coordinator's manifest (or why it failed)."""
 
-    objects: list[tuple[str, int, bytes, str, int, tuple[int, ...], bytes]] = field(
-        default_factory=list
-    )
-    """(name, size, digests, codec, stored size, frame sizes, decoded digests) per object."""
-    entries: list[tuple[int, int, Chunks]] = field(default_factory=list)
-    """(entry index, scope, chunks) of each tensor entry written."""
-    values: list[tuple[int, int, Chunks]] = field(default_factory=list)
-    """(value index, scope, chunks) of each value written."""
+    objects: list[StoredObject] = field(default_factory=list)
+    entries: list[Written] = field(default_factory=list)
+    """Each tensor entry written."""
+    values: list[Written] = field(default_factory=list)
+    """Each value written."""
     bytes_new: int = 0
     """Bytes actually written (objects already stored are referenced, not rewritten)."""
     error: str | None = None
@@ -237,7 +292,7 @@ def write_assigned(
     Each object's task takes the bytes of its payloads itself, on the I/O threads: the first
     write starts at once rather than after every tensor of the rank has been looked at."""
     n_entries = len(assignment.entries)
-    sizes = [local.entries[i][4] for i, _ in assignment.entries]
+    sizes = [local.entries[i].nbytes for i, _ in assignment.entries]
     sizes += [len(local.value_bytes[i]) for i, _ in assignment.values]
     codecs = [local.codec(i) for i, _ in assignment.entries]
     codecs += ["raw"] * len(assignment.values)
@@ -263,10 +318,11 @@ def write_assigned(
             [partial(task, i) for i in range(len(layout.objects))], tunables.get().io_threads
         )
     report = WriteReport(objects=[w.manifest_row() for w in written])
-    report.bytes_new = sum(w.manifest_row()[4] for w in written if w.written)  # stored bytes
+    written_now = zip(report.objects, written, strict=True)
+    report.bytes_new = sum(obj.stored_bytes for obj, w in written_now if w.written)
     n = len(assignment.entries)
     for j, (i, scope) in enumerate(assignment.entries):
-        report.entries.append((i, scope, layout.chunks[j]))
+        report.entries.append(Written(i, scope, layout.chunks[j]))
     for j, (i, scope) in enumerate(assignment.values):
-        report.values.append((i, scope, layout.chunks[n + j]))
+        report.values.append(Written(i, scope, layout.chunks[n + j]))
     return report

@@ -52,7 +52,7 @@ from trainsnap.protocol.rank_save import Local, SaveRequest, WriteReport, descri
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.save")
+log = logging.getLogger(__name__)
 
 
 def _refusal(problems: list[str]) -> TrainsnapError:
@@ -81,7 +81,7 @@ class SaveResult:
         )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class PendingSave:
     """A save past its agreement and plan (and, when asynchronous, its staging): what is left
     is writing and committing, which :func:`finish_save` does, on any thread."""
@@ -121,7 +121,7 @@ def prepare_save(
     """Steps 1 and 2, then staging into ``pool`` when given (an asynchronous save): once this
     returns, the caller may change its tensors."""
     t0 = time.perf_counter()
-    hasher = Hasher(opts.checksum, tunables.get().block_size)
+    hasher = Hasher(opts.options.checksum, tunables.get().block_size)
     session = comm.session("save")
     try:
         with paused_gc():  # the pause of an asynchronous save: see trainsnap.engine.gc_pause
@@ -174,7 +174,17 @@ def _agree(
         comm.plans.sent[channel] = meta.layout
     whole, metas = planned[0] if planned else (None, None)
     return PendingSave(
-        storage, opts, comm, session, hasher, local, assignment, metas, whole, mesh, t0
+        storage=storage,
+        opts=opts,
+        comm=comm,
+        session=session,
+        hasher=hasher,
+        local=local,
+        assignment=assignment,
+        metas=metas,
+        plan=whole,
+        mesh=mesh,
+        t0=t0,
     )
 
 
@@ -242,7 +252,7 @@ def _stage(pending: PendingSave, pool: StagingPool) -> Lease | None:
     """Copy what this rank writes into pool buffers. Values are already bytes of their own.
     A save larger than the pool's budget is not staged: it will be written synchronously."""
     tensors = pending.local.captured.tensors
-    sizes = [pending.local.entries[i][4] for i, _ in pending.assignment.entries]
+    sizes = [pending.local.entries[i].nbytes for i, _ in pending.assignment.entries]
     try:
         pool.check_fits(sizes)
     except BudgetExceeded as e:

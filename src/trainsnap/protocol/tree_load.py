@@ -27,7 +27,7 @@ succeeded.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -42,16 +42,17 @@ from trainsnap.format import tree, values
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Box
 from trainsnap.protocol.rank_load import rank_scoped, refuse_rank_bound
-from trainsnap.state.capture import (
-    DTensorBoxes,
-    Exact,
-    Sharded,
-    Targets,
-    TensorItem,
-    ValueTarget,
-    is_stateful,
-    leaf_item,
-    state_dict_of,
+from trainsnap.state.capture import Targets, TensorItem, ValueTarget
+from trainsnap.state.template import (
+    MappingNode,
+    Node,
+    SequenceNode,
+    StatefulNode,
+    TensorNode,
+    ValueNode,
+    Walker,
+    path,
+    root_mapping,
 )
 
 Realize = Callable[[dict[str, Any]], Any]
@@ -75,13 +76,12 @@ class _Planner:
         self.missing: list[str] = []
         self.problems: list[tuple[str, str]] = []
         self.stateful: list[Callable[[], None]] = []
-        self.boxes = DTensorBoxes()
 
     # -- leaves ------------------------------------------------------------------------------
 
-    def _tensor_into(self, tmpl: Any, key: str) -> Realize:
+    def _tensor_into(self, tmpl: TensorNode) -> Realize:
         # Whether the snapshot holds this tensor is checked by rank_load.match, with the rest.
-        self.targets.tensors.append(leaf_item(key, tmpl, self.boxes))
+        self.targets.tensors.append(tmpl.described())
         return _SAME
 
     def _created_tensor(self, t: int, key: str) -> Realize:
@@ -125,29 +125,33 @@ class _Planner:
 
     # -- nodes -------------------------------------------------------------------------------
 
-    def node(self, tmpl: Any, saved: Any, key: str, exact: bool = False) -> Realize:
-        if isinstance(tmpl, torch.Tensor | Sharded):
+    def node(self, tmpl: Node | None, saved: Any, key: str, exact: bool = False) -> Realize:
+        """How the saved ``saved`` comes back where the walked state has ``tmpl`` (None: the
+        state has nothing there)."""
+        if isinstance(tmpl, TensorNode):
             if saved is None or tree.kind(saved) == "leaf":
-                return self._tensor_into(tmpl, key)
+                return self._tensor_into(tmpl)
             self.problems.append(
                 (key, f"the state holds a tensor, the snapshot a {tree.name(tree.kind(saved))}")
             )
             return _SAME
-        if is_stateful(tmpl):
+        if isinstance(tmpl, StatefulNode):
             return self._stateful(tmpl, saved, key)
         if saved is None:
             self.missing.append(key)
-            return lambda _d: tmpl
+            obj = None if tmpl is None else tmpl.obj
+            return lambda _d: obj
         kind = tree.kind(saved)
         if kind == "leaf":
             return self._saved_leaf(key)
         if kind in tree.MAPPINGS:
-            return self._mapping(tmpl, saved, key, exact or isinstance(tmpl, Exact))
+            is_exact = isinstance(tmpl, MappingNode) and tmpl.exact
+            return self._mapping(tmpl, saved, key, exact or is_exact)
         return self._sequence(tmpl, saved, key)
 
-    def _stateful(self, obj: Any, saved: Any, key: str) -> Realize:
-        sd = state_dict_of(obj, key)
-        build = self.node(sd, saved, key, exact=isinstance(obj, torch.nn.Module))
+    def _stateful(self, node: StatefulNode, saved: Any, key: str) -> Realize:
+        obj = node.obj
+        build = self.node(node.walked(), saved, key, exact=isinstance(obj, torch.nn.Module))
         stateful = self.stateful  # not self: see plan()
 
         def realize(decoded: dict[str, Any]) -> Any:
@@ -157,16 +161,17 @@ class _Planner:
 
         return realize
 
-    def _mapping(self, tmpl: Any, saved: Any, key: str, exact: bool) -> Realize:
+    def _mapping(self, tmpl: Node | None, saved: Any, key: str, exact: bool) -> Realize:
         kind = tree.kind(saved)
         pairs = tree.items(saved)
         saved_keys = {(type(k), k) for k, _ in pairs}
-        given = tmpl if isinstance(tmpl, Mapping) else {}
+        node = tmpl if isinstance(tmpl, MappingNode) else None
+        given = dict(node.children) if node is not None else {}
         for k in given:
             if (type(k), k) not in saved_keys:
                 self.missing.append(_path(key, k))
         if exact:
-            allowed = tmpl.allowed if isinstance(tmpl, Exact) else None
+            allowed = node.allowed if node is not None else None
             held = {(type(k), k) for k in (given if allowed is None else allowed)}
             lacked = [_path(key, k) for k, _ in pairs if (type(k), k) not in held]
             if lacked and self.alone:
@@ -183,10 +188,12 @@ class _Planner:
             self.targets.admitted += [_path(key, k) for k, _ in pairs]
         children = []
         for k, c in pairs:
-            old = given.get(k) if k in given else None
+            old = given.get(k)
             children.append((k, old, self.node(old, c, tree.join(key, k))))
         wanted = OrderedDict if kind == "o" else dict
-        in_place = isinstance(tmpl, MutableMapping) and type(tmpl) is wanted
+        container = node.obj if node is not None else None
+        in_place = isinstance(container, MutableMapping) and type(container) is wanted
+        held_keys = [k for k, _ in node.children] if node is not None else []
 
         def realize(decoded: dict[str, Any]) -> Any:
             built = [
@@ -196,20 +203,23 @@ class _Planner:
             ]
             if not in_place:
                 return wanted(built)
-            if list(tmpl) == [k for k, _ in built]:
+            assert isinstance(container, MutableMapping)
+            if held_keys == [k for k, _ in built]:
                 for k, v in built:
-                    tmpl[k] = v
+                    container[k] = v
             else:
-                tmpl.clear()
-                tmpl.update(built)
-            return tmpl
+                container.clear()
+                container.update(built)
+            return container
 
         return realize
 
-    def _sequence(self, tmpl: Any, saved: Any, key: str) -> Realize:
+    def _sequence(self, tmpl: Node | None, saved: Any, key: str) -> Realize:
         kind = tree.kind(saved)
         body = saved[kind]
-        given: Sequence[Any] = tmpl if isinstance(tmpl, list | tuple) else ()
+        if isinstance(tmpl, ValueNode) and isinstance(tmpl.obj, list | tuple) and not tmpl.deep:
+            tmpl = Walker().sequence(tmpl.obj, key)  # plain data: nothing under it to call
+        given: list[Node] = tmpl.children if isinstance(tmpl, SequenceNode) else []
         if len(given) > len(body):
             self.problems.append(
                 (key, f"the state holds {len(given)} items, the snapshot {len(body)}")
@@ -219,7 +229,8 @@ class _Planner:
             (old, self.node(old, c, tree.join(key, i)))
             for i, (old, c) in enumerate(zip(olds, body, strict=True))
         ]
-        in_place = kind == "l" and type(tmpl) is list
+        container = tmpl.obj if isinstance(tmpl, SequenceNode) else None
+        in_place = kind == "l" and type(container) is list
 
         def realize(decoded: dict[str, Any]) -> Any:
             built = [
@@ -230,35 +241,37 @@ class _Planner:
                 return tuple(built)
             if not in_place:
                 return built
-            tmpl[:] = built
-            return tmpl
+            assert isinstance(container, list)
+            container[:] = built
+            return container
 
         return realize
 
 
-def _path(key: str, k: Any) -> str:
-    return tree.join(key, k) if tree.is_key(k) else f"{key}.{k!r}"
+_path = path
 
 
-def _built(build: Any, old: Any, decoded: dict[str, Any]) -> Any:
-    return old if build is _SAME else build(decoded)
+def _built(build: Any, old: Node | None, decoded: dict[str, Any]) -> Any:
+    if build is _SAME:
+        return None if old is None else old.obj
+    return build(decoded)
 
 
 def plan(
-    state: Any, manifest: Manifest, rank: int, same_world: bool = True, *, alone: bool = False
+    state: Node, manifest: Manifest, rank: int, same_world: bool = True, *, alone: bool = False
 ) -> Targets:
-    """What loading ``state`` from ``manifest`` (which has a tree) reads, and how the results
-    are put in place (``Targets.assign``); raises before reading anything when the state and the
-    snapshot do not fit. ``alone``: this is a load of one process."""
+    """What loading the walked ``state`` (:mod:`trainsnap.state.template`) from ``manifest``
+    (which has a tree) reads, and how the results are put in place (``Targets.assign``); raises
+    before reading anything when the state and the snapshot do not fit. ``alone``: this is a
+    load of one process. O(nodes + saved tree); reads the nodes, never the state."""
     assert manifest.tree is not None
     planner = _Planner(manifest, rank, alone=alone)
-    root_obj = state
-    if is_stateful(state) and not isinstance(state, Mapping):
-        root_obj = state_dict_of(state, "")
+    root = root_mapping(state)
+    root_obj = root.obj
     saved = tree.children(manifest.tree)
     builds = [
         (k, planner.node(v, saved.get((type(k).__name__, k)), _top_key(k)))
-        for k, v in root_obj.items()
+        for k, v in root.children
     ]
     if not same_world:  # per-rank entries, whether this rank has its own or not
         asked = [t.key for t in planner.targets.tensors] + [v.key for v in planner.targets.values]
@@ -272,16 +285,18 @@ def plan(
     # threads before the iterator's own shutdown, whose workers then wait out their join
     # timeout).
     stateful = planner.stateful
+    owner = state.obj if isinstance(state, StatefulNode) else None
 
     def assign(decoded: dict[str, Any]) -> None:
+        assert isinstance(root_obj, MutableMapping)
         for k, build in builds:
             if build is _SAME:
                 continue  # a tensor, filled in place
             new = build(decoded)
             if root_obj[k] is not new:
                 root_obj[k] = new
-        if root_obj is not state:
-            stateful.append(lambda: state.load_state_dict(root_obj))
+        if owner is not None:
+            stateful.append(lambda: owner.load_state_dict(root_obj))
 
     out = planner.targets
     out.assign = assign

@@ -35,7 +35,8 @@ from typing import Any, Final
 from trainsnap import tunables
 from trainsnap.engine.pool import run_all
 from trainsnap.errors import CorruptError
-from trainsnap.protocol.rank_save import Chunks, WriteReport
+from trainsnap.format.manifest import StoredObject
+from trainsnap.protocol.rank_save import WriteReport, Written
 from trainsnap.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def encode(report: WriteReport) -> bytes:
     body: list[bytes] = []
     objects = []
     for name, size, digests, codec, stored, frames, decoded in report.objects:
-        objects.append([name, size, codec, stored, list(frames), len(digests), len(decoded)])
+        on_storage = size if stored is None else stored
+        objects.append([name, size, codec, on_storage, list(frames), len(digests), len(decoded)])
         body += [digests, decoded]
     header = {
         "objects": objects,
@@ -109,8 +111,8 @@ def decode(data: bytes) -> WriteReport:
                 raise ValueError("digests past the end")
             if not (isinstance(name, str) and isinstance(codec, str)):
                 raise ValueError("object name or codec is not a string")
-            row = (name, _int(size), digests, codec, _int(stored), _ints(frames), decoded)
-            report.objects.append(row)
+            sizes = (_int(size), digests, codec, _int(stored), _ints(frames))
+            report.objects.append(StoredObject(name, *sizes, decoded))
         if at != len(data):
             raise ValueError("bytes after the digests")
         report.entries = [_written(item) for item in header["entries"]]
@@ -132,11 +134,11 @@ def _ints(values: Any) -> tuple[int, ...]:
     return tuple(_int(v) for v in values)
 
 
-def _written(item: Any) -> tuple[int, int, Chunks]:
+def _written(item: Any) -> Written:
     index, scope, chunks = item
     if isinstance(scope, bool) or not isinstance(scope, int):
         raise ValueError(f"scope {scope!r} is not an integer")
-    return _int(index), scope, [(_int(o), _int(off), _int(n)) for o, off, n in chunks]
+    return Written(_int(index), scope, [(_int(o), _int(off), _int(n)) for o, off, n in chunks])
 
 
 # -- sending and receiving ------------------------------------------------------------------------

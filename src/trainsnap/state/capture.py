@@ -6,9 +6,9 @@ Saving walks the state and yields one :class:`TensorItem` per tensor leaf and on
 ``load_state_dict()`` are walked through their state dict. Dicts are always walked; a list or
 tuple is walked when it holds a tensor somewhere and is a plain value otherwise.
 
-Loading walks the *given* state the same way and yields targets: tensors to fill in place and
-containers to put plain values into; after filling, each stateful object gets its state dict
-back through ``load_state_dict``.
+Loading walks the *given* state the same way, once per load (:mod:`trainsnap.state.template`):
+tensors to fill in place, containers to put plain values into, and each stateful object, which
+gets its state dict back through ``load_state_dict`` after filling.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import (
     MutableSequence,
 )
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache
 from typing import Any
 
 import torch
@@ -175,7 +175,7 @@ def state_dict_of(obj: Any, key: str) -> Mapping[Any, Any]:
     return sd
 
 
-def _has_tensor(obj: object, active: tuple[int, ...] = ()) -> bool:
+def has_tensor(obj: object, active: tuple[int, ...] = ()) -> bool:
     """Whether a tensor or a stateful object is under ``obj``. A container that holds itself
     counts as one (the walk then reaches the cycle and refuses it); past the deepest nesting a
     plain value may have, False (the value's encoder refuses it)."""
@@ -188,7 +188,7 @@ def _has_tensor(obj: object, active: tuple[int, ...] = ()) -> bool:
             return False
         inner = (*active, id(obj))
         children = obj.values() if isinstance(obj, Mapping) else obj
-        return any(_has_tensor(v, inner) for v in children)
+        return any(has_tensor(v, inner) for v in children)
     return is_stateful(obj)
 
 
@@ -199,7 +199,7 @@ def _described(key: object) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _join(prefix: str, key: object) -> str:
+def join_key(prefix: str, key: object) -> str:
     if type(key) is str and key:  # the common case, first: this runs for every entry
         return f"{prefix}.{key}" if prefix else key
     if not tree_mod.is_key(key):
@@ -409,7 +409,6 @@ def _walk(
     visit: Callable[[str, Any, Any, Any], None],
     parent: Any,
     idx: Any,
-    finishers: list[Callable[[], None]] | None,
     depth: int = 0,
 ) -> Any:
     """Visit every leaf under ``obj``; returns the structure (a :mod:`~trainsnap.format.tree`
@@ -426,17 +425,11 @@ def _walk(
             key=key[:200],
         )
     if is_stateful(obj):
-        sd = state_dict_of(obj, key)
-        node = _walk_mapping(sd, key, visit, finishers, depth)
-        if finishers is not None:
-            finishers.append(partial(obj.load_state_dict, sd))
-        return node
+        return _walk_mapping(state_dict_of(obj, key), key, visit, depth)
     if isinstance(obj, Mapping):
-        return _walk_mapping(obj, key, visit, finishers, depth)
-    if isinstance(obj, list | tuple) and _has_tensor(obj):
-        children = [
-            _walk(v, _join(key, i), visit, obj, i, finishers, depth + 1) for i, v in enumerate(obj)
-        ]
+        return _walk_mapping(obj, key, visit, depth)
+    if isinstance(obj, list | tuple) and has_tensor(obj):
+        children = [_walk(v, join_key(key, i), visit, obj, i, depth + 1) for i, v in enumerate(obj)]
         return tree_mod.sequence(tree_mod.container_kind(obj), children)
     visit(key, obj, parent, idx)
     return tree_mod.LEAF
@@ -446,17 +439,15 @@ def _walk_mapping(
     manifest: Mapping[Any, Any],
     key: str,
     visit: Callable[[str, Any, Any, Any], None],
-    finishers: list[Callable[[], None]] | None,
     depth: int = 0,
 ) -> Any:
     pairs = [
-        (k, _walk(v, _join(key, k), visit, manifest, k, finishers, depth + 1))
-        for k, v in manifest.items()
+        (k, _walk(v, join_key(key, k), visit, manifest, k, depth + 1)) for k, v in manifest.items()
     ]
     return {"o" if isinstance(manifest, OrderedDict) else "d": pairs}
 
 
-def _check_root(state: object) -> None:
+def check_root(state: object) -> None:
     if not (isinstance(state, Mapping) or is_stateful(state)):
         raise InvalidArgumentError(
             f"state must be a mapping (a dict of tensors, values and stateful objects) or an "
@@ -466,7 +457,7 @@ def _check_root(state: object) -> None:
 
 def capture(state: Any) -> Captured:
     """The entries of ``state`` for saving."""
-    _check_root(state)
+    check_root(state)
     out = Captured()
     seen: set[str] = set()
     boxes = DTensorBoxes()
@@ -490,33 +481,7 @@ def capture(state: Any) -> Captured:
         else:
             out.values.append(ValueItem(key, leaf))
 
-    out.tree = _walk(state, "", visit, None, None, None)
-    return out
-
-
-def targets(state: Any) -> Targets:
-    """What loading must fill in ``state``."""
-    _check_root(state)
-    out = Targets()
-    boxes = DTensorBoxes()
-
-    def visit(key: str, leaf: Any, parent: Any, idx: Any) -> None:
-        if isinstance(leaf, Sharded):
-            out.tensors.append(
-                TensorItem(key, leaf.local, leaf.global_shape, leaf.region, declared=True)
-            )
-        elif isinstance(leaf, torch.Tensor):
-            out.tensors.append(_leaf_tensor(key, leaf, boxes))
-        else:
-            if isinstance(parent, tuple):
-                raise InvalidArgumentError(
-                    f"cannot load the plain value {key!r}: it sits in a tuple, which cannot be "
-                    "changed in place; use a list",
-                    key=key,
-                )
-            out.values.append(ValueTarget(key, parent, idx))
-
-    _walk(state, "", visit, None, None, out.finishers)
+    out.tree = _walk(state, "", visit, None, None)
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainsnap.errors import CorruptError
+from trainsnap.errors import CorruptError, IncompatibleError
 
 _MASK64 = (1 << 64) - 1
 
@@ -134,9 +134,11 @@ def restore(state: dict[str, Any]) -> None:
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            raise ValueError(
+            raise IncompatibleError(
                 f"the snapshot holds CUDA RNG state of {len(cuda)} devices, this process sees "
-                f"{torch.cuda.device_count()}"
+                f"{torch.cuda.device_count()}: restore it where as many devices are visible, or "
+                "load at level 'training' (no RNG)",
+                key="rng",
             )
         torch.cuda.set_rng_state_all(cuda)
 

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
-from trainsnap.format.manifest import LEVELS, Manifest, level_rank
+from trainsnap.format.manifest import LEVELS, Manifest, check_level, level_rank
 from trainsnap.state import rng as rng_mod
 from trainsnap.state.capture import Exact
 from trainsnap.state.data_cursor import cursor_of
 from trainsnap.state.model_parts import ModelParts
 
-log = logging.getLogger("trainsnap.load")
+log = logging.getLogger(__name__)
 
 PARTS_BY_LEVEL: dict[str, tuple[str, ...]] = {
     "weights": ("model",),
@@ -49,6 +49,24 @@ def _as_list(x: Any) -> list[Any]:
     if x is None:
         return []
     return list(x) if isinstance(x, list | tuple) else [x]
+
+
+@dataclass(slots=True)
+class LoadTrees:
+    """A :class:`TrainState`'s model and optimizer trees, taken once for a load."""
+
+    model: Any
+    optim: Any
+    """None when the state has no optimizer part."""
+    ready: bool
+    """The optimizer tree is a load template as it is (no optimizer needs initialising)."""
+
+    def as_tree(self) -> dict[str, Any]:
+        return (
+            {"model": self.model}
+            if self.optim is None
+            else {"model": self.model, "optim": self.optim}
+        )
 
 
 @dataclass(slots=True)
@@ -247,15 +265,28 @@ class TrainState:
             tree["grads"] = self._grads()
         return tree
 
-    def load_wants(self) -> tuple[list[str], dict[str, Any]]:
-        """What a load of this state may read, known before the manifest: the top-level keys
-        (its parts) and the trees whose tensors are filled in place (model and optimizer)."""
+    def load_keys(self) -> list[str]:
+        """The top-level keys a load of this state may read, known before the manifest."""
         parts = self.parts()
-        keys = [*parts, "optim_meta"] if "optim" in parts else list(parts)
+        return [*parts, "optim_meta"] if "optim" in parts else list(parts)
+
+    def load_trees(self) -> LoadTrees | None:
+        """The model's and optimizers' trees as they are now (no optimizer initialised), taken
+        once for a load: what it says it wants before the manifest, and the template
+        :meth:`plan_load` builds when given them. None without a model."""
+        parts = self.parts()
         if "model" not in parts:
-            return keys, {}
+            return None
         msd, osd = self._model_and_optim("optim" in parts)
-        return keys, {"model": msd} if osd is None else {"model": msd, "optim": osd}
+        return LoadTrees(msd, osd, ready=osd is None or self._optimizers_ready())
+
+    def _optimizers_ready(self) -> bool:
+        """Whether taking the optimizers' trees with ``initialise`` would give what they give
+        now: a container's tree, or torch optimizers that all have their state."""
+        assert self._parts is not None
+        if self._parts.container is not None:
+            return True
+        return all(o.state for opts in self._parts.optimizers.values() for o in opts)
 
     def _stateless(self, osd: Any) -> list[str]:
         """Parameters with no optimizer state (they never got a gradient)."""
@@ -280,11 +311,12 @@ class TrainState:
         world_size: int,
         allow_downgrade: bool,
         read_value: Callable[[str], Any],
+        trees: LoadTrees | None = None,
     ) -> LoadPlan:
         """The highest level up to ``asked`` this snapshot gives this state, and the tree to
-        load for it; raise when ``asked`` cannot be reached and no downgrade is allowed."""
-        if asked not in LEVELS:
-            raise InvalidArgumentError(f"level must be one of {LEVELS}, got {asked!r}")
+        load for it; raise when ``asked`` cannot be reached and no downgrade is allowed.
+        ``trees``: this load's :meth:`load_trees`, reused rather than taken again."""
+        check_level(asked)
         snap = _SnapshotParts(manifest)
         if "optim" in snap.parts and manifest.find_value("optim_meta.stateless", -1) is not None:
             snap.stateless = list(read_value("optim_meta.stateless"))
@@ -319,7 +351,7 @@ class TrainState:
         if reached != "strict":
             for why in self._version_changes(manifest):
                 log.warning("snapshot %s: %s", manifest.snapshot_id, why)
-        tree = self._template(reached, snap)
+        tree = self._template(reached, snap, trees)
         if "rng" in tree:  # before any tensor is filled in place
             rng_mod.check_plain(read_value)
         # Everything asked for is restored; the level said is what that gives this state.
@@ -369,7 +401,9 @@ class TrainState:
                 out.append(f"the {k} version changed from {saved[k]!r} to {self.versions[k]!r}")
         return out
 
-    def _template(self, level: str, snap: _SnapshotParts) -> dict[str, Any]:
+    def _template(
+        self, level: str, snap: _SnapshotParts, trees: LoadTrees | None
+    ) -> dict[str, Any]:
         parts = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
         tree: dict[str, Any] = {}
         if "model" in parts:
@@ -377,7 +411,15 @@ class TrainState:
             # A load template lets torch initialise a fresh optimizer's state: its moments are
             # the destinations of the saved ones, in the parameters' own layouts (DTensor
             # shards); the load then replaces the whole state with the saved one.
-            templates = self._model_and_optim("optim" in parts, initialise=True)
+            with_optim = "optim" in parts
+            if trees is None:
+                templates = self._model_and_optim(with_optim, initialise=True)
+            elif not with_optim:
+                templates = trees.model, None
+            elif trees.ready and trees.optim is not None:
+                templates = trees.model, trees.optim
+            else:  # a fresh optimizer: its state is made now, to be loaded into
+                templates = trees.model, self._parts.optim_tree(initialise=True)
             msd, osd = self._parts.exact(*templates)
             if osd is not None:
                 stateless = set(snap.stateless)

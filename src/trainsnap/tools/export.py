@@ -39,10 +39,11 @@ from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.protocol import commit
 from trainsnap.protocol.commit import resolve
 from trainsnap.protocol.rank_load import fill
-from trainsnap.state.capture import Sharded, targets
+from trainsnap.state.capture import Sharded
+from trainsnap.state.template import targets
 from trainsnap.storage import Root, Storage, open_storage
 
-log = logging.getLogger("trainsnap.export")
+log = logging.getLogger(__name__)
 
 PIECE_BYTES: Final = 64 << 20
 """Most bytes of one tensor held at once (per dtype it is read or written in)."""

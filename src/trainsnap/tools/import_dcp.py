@@ -59,7 +59,7 @@ from trainsnap.protocol.assemble import library_versions, now_iso
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage import Root, Storage, open_storage
 
-log = logging.getLogger("trainsnap.importdcp")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 """Called with (bytes just written, total bytes to write)."""
