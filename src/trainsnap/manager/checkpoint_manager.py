@@ -524,7 +524,8 @@ class CheckpointManager:
             return False
         tree, opts = self.save_options.request(state, step)
         if metrics:
-            opts.meta = {**opts.meta, "metrics": {str(k): float(v) for k, v in metrics.items()}}
+            measured = {str(k): float(v) for k, v in metrics.items()}
+            opts.options = replace(opts.options, meta={**opts.options.meta, "metrics": measured})
         self.memory.save(tree, opts, promote=durable)
         self._save_costs.append(self.memory.pause)  # what Young/Daly weigh: the blocking cost
         self._last_save_step, self._last_save_time = step, time.monotonic()

@@ -39,7 +39,7 @@ from trainsnap.format.marker import check_manifest_bytes, decode_marker
 from trainsnap.manager.memory_nodes import refusal
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.protocol import commit, replication
-from trainsnap.protocol.manifest_share import wants_of
+from trainsnap.protocol.load_protocol import state_wants
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage, read_steps, read_uncached
 
@@ -169,7 +169,7 @@ def _ensure_manifest(mem: MemorySaves, sid: str) -> tuple[Manifest, bytes | None
 def _needed(manifest: Manifest, state: Any, rank: int) -> dict[str, int]:
     """Step 2: the objects this rank's load reads, with their stored sizes."""
     sizes = manifest.stored().tolist()
-    wants = wants_of(state)
+    wants = state_wants(state)
     if wants is None:
         return dict(zip(manifest.object_names, sizes, strict=True))
     index = PartIndex(manifest)

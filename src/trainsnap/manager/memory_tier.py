@@ -43,6 +43,7 @@ import logging
 import shutil
 import struct
 import threading
+from dataclasses import replace
 from typing import Any
 
 from trainsnap import faults
@@ -182,7 +183,8 @@ class MemorySaves:
         background (in the calling thread when the manager saves synchronously); raises the
         error of the previous memory save first."""
         self.wait()
-        opts.compression = None  # content addresses are checked block by block on each copy
+        # content addresses are checked block by block on each copy
+        opts.options = replace(opts.options, compression=None)
         namespace = f"{self._prefix}/reports/{opts.step}"
         route = SaveRoute(self.storage, self._store, namespace)
         pending = prepare_save(tree, route, opts, self.comm, pool=None if self.sync else self.pool)

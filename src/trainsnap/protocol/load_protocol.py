@@ -159,6 +159,13 @@ class _Template:
             return None
 
 
+def state_wants(state: Any) -> Wants | None:
+    """What a load of ``state`` may read, as its step 2 says it (None: it cannot say), for a
+    caller that must know before the load: the memory tier fetches the objects this names from
+    other nodes first. A walk of the state of its own: O(the state's nodes)."""
+    return _Template(state).wants()
+
+
 @dataclass(slots=True)
 class _Read:
     """One rank's read: its reader, and what the read made."""
