@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import trainsnap as ts
+from trainsnap import tunables
+from trainsnap.engine import read_plan
 from trainsnap.engine.buffers import Parts
 from trainsnap.engine.pool import TaskRunner, run_all
 from trainsnap.format.checksums import Hasher
-from trainsnap.protocol import rank_load
 from trainsnap.storage.base import read_steps
 from trainsnap.storage.posix import PosixStorage
 from trainsnap.testing import assert_all_ok, run_ranks
@@ -74,7 +75,7 @@ def test_column_quarters_land_in_their_rows_in_place_or_through_small_windows(
 
     monkeypatch.setattr(Rows, "fill", fill)
     monkeypatch.setattr(BouncePool, "buffer", buffer)
-    monkeypatch.setattr(rank_load, "_strided_copy", lambda *a: copied.append(a))
+    monkeypatch.setattr(read_plan, "_strided_copy", lambda *a: copied.append(a))
     dest = {name: torch.zeros(ROWS, n) for name, n in (("wide", WIDE), ("narrow", NARROW))}
     dest["wider"] = torch.zeros(ROWS, WIDER)
     ts.load(dest, column_root)
@@ -82,7 +83,7 @@ def test_column_quarters_land_in_their_rows_in_place_or_through_small_windows(
         assert torch.equal(dest[name], _full(columns, seed)), name
     assert filled == {dest["wide"].data_ptr(), dest["narrow"].data_ptr()}
     assert copied == []
-    window = max(rank_load._WINDOW, int(ENV["TRAINSNAP_BLOCK_SIZE"]))
+    window = max(tunables.get().read_window, int(ENV["TRAINSNAP_BLOCK_SIZE"]))
     assert asked and set(asked) == {window}
 
 

@@ -211,7 +211,7 @@ def _check_manifest(manifest: Manifest, marker_summary: dict[str, Any]) -> list[
 
 
 def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
-    from trainsnap.engine.reader import Reader
+    from trainsnap.engine.reader import Reader, read_payload
 
     reader = Reader(storage, manifest)
     out = []
@@ -224,7 +224,7 @@ def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
             if manifest.value_codecs[vi] != "json":
                 continue
             buf = bytearray(n)
-            reader.read_payload(base + vi, 0, n, memoryview(buf), key)
+            read_payload(reader, base + vi, 0, n, memoryview(buf), key)
             json.loads(bytes(buf))
         except TrainsnapError as e:
             out.append(Problem(type(e), manifest.snapshot_id, e.message, e.path))

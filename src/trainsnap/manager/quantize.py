@@ -19,7 +19,7 @@ import torch
 
 from trainsnap import tunables
 from trainsnap.engine.buffers import gather
-from trainsnap.engine.reader import Reader
+from trainsnap.engine.reader import Reader, read_payload
 from trainsnap.engine.writer import write_object
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.format.layout import layout_objects
@@ -94,7 +94,7 @@ def quantize_history(
         for p, off, n in obj.parts:
             owner, lossy = owners[p]
             buf = bytearray(n)
-            reader.read_payload(owner, off, off + n, memoryview(buf), f"payload {owner}")
+            read_payload(reader, owner, off, off + n, memoryview(buf), f"payload {owner}")
             parts.append(memoryview(_round_to_bf16(bytes(buf)) if lossy else buf))
         w = write_object(storage, m.hasher, gather(parts, obj.size), obj.codec)
         index.append(b.add_object(*w.manifest_row()))
