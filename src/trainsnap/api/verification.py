@@ -211,7 +211,8 @@ def _check_manifest(manifest: Manifest, marker_summary: dict[str, Any]) -> list[
 
 
 def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
-    from trainsnap.engine.reader import Reader, read_payload
+    from trainsnap.engine.read_executor import read_payload
+    from trainsnap.engine.reader import Reader
 
     reader = Reader(storage, manifest)
     out = []

@@ -12,7 +12,7 @@ A plan is built once, for tensors and plain values alike, from two records:
 
 :class:`ReadPolicy` holds every threshold that chooses between those (built from
 :mod:`trainsnap.tunables`); :func:`piece_reads` applies it to one piece of a tensor, and
-:class:`~trainsnap.engine.reader.ReadExecutor` to each record when it runs the plan.
+:class:`~trainsnap.engine.read_executor.ReadExecutor` to each record when it runs the plan.
 docs/ARCHITECTURE.md ("Read path") gives the reasons for each threshold.
 """
 

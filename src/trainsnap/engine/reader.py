@@ -1,9 +1,10 @@
-"""Verified reads of a snapshot's stored objects, and the executor of a load's read plan.
+"""Verified reads of a snapshot's stored objects.
 
 Every byte a load uses comes by one road: a plan of records
-(:mod:`trainsnap.engine.read_plan`) that :class:`ReadExecutor` runs on the I/O pool, each
-record by the strategy the reader's :class:`~trainsnap.engine.read_plan.ReadPolicy` picks,
-through one of the :class:`Reader`'s three public reads -- one per kind of storage request:
+(:mod:`trainsnap.engine.read_plan`) that :class:`~trainsnap.engine.read_executor.ReadExecutor`
+runs on the I/O pool, each record by the strategy the reader's
+:class:`~trainsnap.engine.read_plan.ReadPolicy` picks, through one of the :class:`Reader`'s three
+public reads -- one per kind of storage request:
 
 =========================  ===================================  ==============================
 Reader entry point         executes                             storage requests
@@ -33,18 +34,14 @@ import contextlib
 import itertools
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
-from operator import itemgetter
-from types import TracebackType
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from trainsnap import faults, tunables
 from trainsnap.engine.block_cache import BlockCache
 from trainsnap.engine.buffers import BouncePool, Parts, scatter_copy
-from trainsnap.engine.pool import TaskRunner
-from trainsnap.engine.read_plan import CopyRead, ObjectRead, ReadPolicy, Record, Run, object_reads
+from trainsnap.engine.read_plan import CopyRead, ObjectRead, ReadPolicy, Run
 from trainsnap.errors import CorruptError
 from trainsnap.format import compression
 from trainsnap.format.manifest import Manifest, object_key
@@ -56,7 +53,7 @@ from trainsnap.storage.base import (
     read_uncached,
 )
 
-__all__ = ["ReadExecutor", "Reader", "read_payload"]
+__all__ = ["Reader"]
 
 
 class Reader:
@@ -446,15 +443,6 @@ class Reader:
                 self.blocks.put(obj, b, block)
 
 
-def read_payload(
-    reader: Reader, owner: int, start: int, stop: int, out: memoryview, key: str
-) -> None:
-    """Fill ``out`` with bytes ``[start, stop)`` of payload ``owner`` (a shard's or value's
-    bytes), every block verified: a plan of one read per chunk, run on the caller's thread."""
-    with ReadExecutor(reader, 1) as executor:
-        executor.add(object_reads(reader.payload_runs(owner, start, stop), [out], key))
-
-
 def _partly_used(reads: Sequence[ObjectRead], lo: int, hi: int, block_size: int) -> set[int]:
     """The blocks of ``[lo, hi)`` (block-aligned) that ``reads`` do not use up: another read
     may need the rest of their bytes."""
@@ -468,94 +456,3 @@ def _partly_used(reads: Sequence[ObjectRead], lo: int, hi: int, block_size: int)
         for b in range(lo // block_size, -(-hi // block_size))
         if used.get(b, 0) < min(hi, (b + 1) * block_size) - b * block_size
     }
-
-
-class ReadExecutor:
-    """Runs the records of a read plan on the I/O pool, each by the strategy of the reader's
-    policy, as they are added (a caller may still be planning the rest):
-
-    - an :class:`ObjectRead` of a block or more: a task of its own, :meth:`Reader.read`;
-    - the smaller ones are kept until the block ends, then gathered per object into runs
-      (cut only between blocks, where the gap exceeds a block or the run would span more
-      than ``policy.coalesce_max`` bytes), a task each, :meth:`Reader.read_gathered`;
-    - a windowed :class:`CopyRead`: a task with a bounce window of ``policy.window`` bytes
-      (at least a block), :meth:`Reader.read_windows`;
-    - any other :class:`CopyRead`: a task with a bounce buffer of its whole range, filled by
-      :meth:`Reader.read` (one read per run), then handed to ``place`` once.
-
-    Bounce buffers come from one :class:`~trainsnap.engine.buffers.BouncePool` within
-    ``tunables.read_budget``. Leaving the ``with`` block waits for every task; the first
-    failure cancels what has not started and is raised (see
-    :class:`~trainsnap.engine.pool.TaskRunner`)."""
-
-    def __init__(self, reader: Reader, threads: int) -> None:
-        self.reader = reader
-        self.pool = BouncePool(tunables.get().read_budget)
-        self._runner = TaskRunner[None](threads)
-        self._small: list[ObjectRead] = []
-        self._block = reader.m.block_size
-
-    def __enter__(self) -> ReadExecutor:
-        return self
-
-    def add(self, records: Iterable[Record]) -> None:
-        reader, submit = self.reader, self._runner.submit
-        for record in records:
-            if isinstance(record, CopyRead):
-                submit(partial(self._copy, record))
-            elif record.stop - record.start >= self._block:
-                submit(partial(reader.read, record))
-            else:
-                self._small.append(record)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            if exc is None:
-                try:
-                    for run in self._gathered():
-                        self._runner.submit(partial(self.reader.read_gathered, run, self.pool))
-                except BaseException as e:
-                    self._runner.__exit__(type(e), e, e.__traceback__)
-                    raise
-            self._runner.__exit__(exc_type, exc, traceback)
-        finally:
-            self.pool.close()
-
-    def _gathered(self) -> Iterator[list[ObjectRead]]:
-        """The small reads, per object, in runs each read and verified once."""
-        bs, longest = self._block, self.reader.policy.coalesce_max
-        by_object: dict[int, list[ObjectRead]] = {}
-        for r in self._small:
-            by_object.setdefault(r.obj, []).append(r)
-        for reads in by_object.values():
-            reads.sort(key=_START)
-            run: list[ObjectRead] = []
-            for r in reads:
-                # a run is cut between blocks only: no two runs read and verify one block
-                if (
-                    run
-                    and r.start // bs > (run[-1].stop - 1) // bs
-                    and (r.start - run[-1].stop > bs or r.stop - run[0].start > longest)
-                ):
-                    yield run
-                    run = []
-                run.append(r)
-            yield run
-
-    def _copy(self, copy: CopyRead) -> None:
-        if copy.windowed:
-            with self.pool.buffer(max(self.reader.policy.window, self._block)) as window:
-                self.reader.read_windows(copy, window)
-            return
-        with self.pool.buffer(copy.stop - copy.start) as buf:
-            for read in object_reads(copy.runs, [buf], copy.key):
-                self.reader.read(read)
-            copy.place(copy.start, buf)
-
-
-_START = itemgetter(1)

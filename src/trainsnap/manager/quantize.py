@@ -19,7 +19,8 @@ import torch
 
 from trainsnap import tunables
 from trainsnap.engine.buffers import gather
-from trainsnap.engine.reader import Reader, read_payload
+from trainsnap.engine.read_executor import read_payload
+from trainsnap.engine.reader import Reader
 from trainsnap.engine.writer import write_object
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.format.layout import layout_objects

@@ -4,7 +4,7 @@ For each tensor the state asks for, the saved shards that meet the local shard a
 sort-and-sweep index (:class:`trainsnap.format.regions.RegionIndex`) and intersected into
 pieces; each piece becomes records of the load's read plan
 (:func:`trainsnap.engine.read_plan.piece_reads`), and values become records too. One executor
-(:class:`trainsnap.engine.reader.ReadExecutor`) reads them, each by the strategy its policy
+(:class:`trainsnap.engine.read_executor.ReadExecutor`) reads them, each by the strategy its policy
 picks, every block verified before its bytes are used. Destinations that are not
 CPU-contiguous are filled through a contiguous work tensor.
 
@@ -25,8 +25,9 @@ import torch
 
 from trainsnap import tunables
 from trainsnap.engine.buffers import raw_bytes
+from trainsnap.engine.read_executor import ReadExecutor, read_payload
 from trainsnap.engine.read_plan import Destination, object_reads, piece_reads
-from trainsnap.engine.reader import Reader, ReadExecutor, read_payload
+from trainsnap.engine.reader import Reader
 from trainsnap.errors import (
     CorruptError,
     IncompatibleError,
@@ -182,7 +183,7 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     Coverage is checked for every tensor before the first read (a refused load touches
     nothing). Tensors read whole from one saved shard are planned in bulk and their reads
     start first; the others' reads start as each is planned, while later ones are still being
-    planned (:class:`~trainsnap.engine.reader.ReadExecutor`)."""
+    planned (:class:`~trainsnap.engine.read_executor.ReadExecutor`)."""
     wholes, rest = _split_whole(reader.m, pairs)
     found = _checked_overlaps(reader.m, rest)
     with ReadExecutor(reader, threads) as executor:
