@@ -6,21 +6,20 @@ runs on the I/O pool, each record by the strategy the reader's
 :class:`~trainsnap.engine.read_plan.ReadPolicy` picks, through one of the :class:`Reader`'s three
 public reads -- one per kind of storage request:
 
-=========================  ===================================  ==============================
-Reader entry point         executes                             storage requests
-=========================  ===================================  ==============================
-:meth:`Reader.read`        an :class:`ObjectRead` of a block    the range's whole blocks
-                           or more (and each part of a          streamed into the parts
-                           whole-range copy)                    (``read_steps``); an end block
-                                                                cut by the range, once
-                                                                (``read_into``)
-:meth:`Reader.read_gathered`  the small :class:`ObjectRead` s   one ``read_into`` of the
-                           of one object, gathered in runs      blocks a run covers
-:meth:`Reader.read_windows`   a windowed :class:`CopyRead`      a window at a time:
-                                                                ``read_uncached`` past the page
-                                                                cache, else ``read_steps``
-=========================  ===================================  ==============================
+- :meth:`Reader.read` -- a ranged read into destination parts: an :class:`ObjectRead` of a
+  block or more, and each run of a whole-range copy. Storage: the range's whole blocks streamed
+  into the parts (``read_steps``); a block cut by either end, once (``read_into``).
+- :meth:`Reader.read_gathered` -- a gathered read of several small ranges of one object (the
+  small :class:`ObjectRead` s of a plan, in runs). Storage: one ``read_into`` of the blocks a
+  run covers.
+- :meth:`Reader.read_windows` -- a windowed stream (a windowed :class:`CopyRead`). Storage: a
+  window at a time, ``read_uncached`` past the page cache where none of it is cached, else
+  ``read_steps``.
 
+Compressed objects take the same three entry points (their frames are read with ``read_into``).
+Besides them the reader only answers where a payload lives (:meth:`Reader.payload_runs`,
+:meth:`Reader.payload_size`, :meth:`Reader.checked_payload_size`); a payload range into one
+buffer is :func:`trainsnap.engine.read_executor.read_payload`, a plan of its own.
 Whatever the road, each block is checked by :meth:`Reader._verify` -- the one place a digest
 is compared -- before its bytes are used: as stored, and, for a compressed object, its frame as
 stored and its block once decoded. A block a read did not use up is kept
@@ -410,36 +409,35 @@ class Reader:
 
     def _read_compressed(self, obj: int, start: int, stop: int, out: memoryview, key: str) -> None:
         """Read the frames of the blocks covering [start, stop) of compressed object ``obj``
-        once, verify each frame as stored and each block as decoded, and copy the range out;
-        a block the range cuts is kept, decoded, for the read of its rest."""
+        that are not held, once; verify each frame as stored and each block as decoded; copy
+        the range out. A block the range cuts is kept, decoded, for the read of its rest."""
         bs = self.m.block_size
         size = int(self.m.object_sizes[obj])
         b0, b1 = start // bs, (stop - 1) // bs
         held = [self.blocks.get(obj, b) for b in range(b0, b1 + 1)]
-        if all(kept is not None for kept in held):
-            for b, kept in enumerate(held, b0):
-                assert kept is not None
-                a, z = max(start, b * bs), min(stop, b * bs + len(kept))
-                out[a - start : z - start] = kept[a - b * bs : z - b * bs]
-            return
-        frames = self.m.object_frames(obj)
-        offsets = np.concatenate([[0], np.cumsum(frames)])
-        lo, hi = int(offsets[b0]), int(offsets[b1 + 1])
-        stored = memoryview(bytearray(hi - lo))
-        self._get(obj, lo, stored, key)
+        missing = [b for b, kept in enumerate(held, b0) if kept is None]
+        stored, offsets, lo = memoryview(b""), np.zeros(0, np.int64), 0
+        if missing:
+            offsets = np.concatenate([[0], np.cumsum(self.m.object_frames(obj))])
+            lo, hi = int(offsets[missing[0]]), int(offsets[missing[-1] + 1])
+            stored = memoryview(bytearray(hi - lo))
+            self._get(obj, lo, stored, key)
         codec = self.m.object_codecs[obj]
-        for b in range(b0, b1 + 1):
-            frame = stored[int(offsets[b]) - lo : int(offsets[b + 1]) - lo]
-            self._verify(obj, b, [frame], key)
+        for b, kept in enumerate(held, b0):
             n = min(bs, size - b * bs)
-            try:
-                block = memoryview(compression.decompress_block(frame, codec, n))
-            except ValueError as e:
-                raise self._fail(obj, f"frame {b} does not decode ({e})", key) from e
-            self._verify(obj, b, [block], key, decoded=True)
+            if kept is not None:
+                block = memoryview(kept)
+            else:
+                frame = stored[int(offsets[b]) - lo : int(offsets[b + 1]) - lo]
+                self._verify(obj, b, [frame], key)
+                try:
+                    block = memoryview(compression.decompress_block(frame, codec, n))
+                except ValueError as e:
+                    raise self._fail(obj, f"frame {b} does not decode ({e})", key) from e
+                self._verify(obj, b, [block], key, decoded=True)
             a, z = max(start, b * bs), min(stop, b * bs + n)
             out[a - start : z - start] = block[a - b * bs : z - b * bs]
-            if z - a < n:  # the rest of the block is another read's
+            if kept is None and z - a < n:  # the rest of the block is another read's
                 self.blocks.put(obj, b, block)
 
 
