@@ -83,7 +83,7 @@ def test_whole_reads_fill_the_destination_with_the_shard_chunks_in_order():
     manifest = builder.build()
     x, y = memoryview(bytearray(10)), memoryview(bytearray(3))
     reads = whole_reads(manifest, [(y, 1, "y"), (x, 0, "x")])
-    assert [(r.key, r.o, r.start, r.stop) for r in reads] == [
+    assert [(r.key, r.obj, r.start, r.stop) for r in reads] == [
         ("y", a, 7, 10),
         ("x", b, 50, 54),
         ("x", a, 0, 6),

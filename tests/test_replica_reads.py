@@ -107,6 +107,27 @@ def test_replicas_read_each_stored_byte_about_once(tmp_path: Any, layout: str, m
         assert ratio >= 0.9 * replicas, (ratio, reads)
 
 
+def _data_groups(rank: int, world: int) -> tuple[bool, bool, bool, list[int]]:
+    import torch.distributed as dist
+
+    from trainsnap.protocol import replica_reads
+
+    first = replica_reads.data_group()
+    again = replica_reads.data_group()
+    owned = replica_reads.job().data_group() is first
+    replica_reads.forget_group()  # as after a failed exchange
+    fresh = replica_reads.data_group()
+    ranks = torch.tensor([rank])
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, ranks, group=fresh)  # the fresh group carries data
+    return first is again, owned, fresh is not first, [int(t) for t in gathered]
+
+
+def test_the_data_group_is_the_jobs_made_once_and_afresh_after_a_failure() -> None:
+    results = assert_all_ok(run_ranks(_data_groups, 2, timeout=120))
+    assert results == [(True, True, True, [0, 1])] * 2
+
+
 def test_the_split_cuts_the_stored_order_into_even_runs_never_inside_a_block() -> None:
     sizes = [5, 100, 90, 50, 40, 30, 10, 20, 60]  # k0, stored last, shares a block
     # One object, blocks of 10 bytes, tensors stored back to back in reverse key order.

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import trainsnap as ts
+from trainsnap import tunables
+from trainsnap.engine import read_plan
 from trainsnap.engine.buffers import Parts
 from trainsnap.engine.pool import TaskRunner, run_all
 from trainsnap.format.checksums import Hasher
-from trainsnap.protocol import rank_load
 from trainsnap.storage.base import read_steps
 from trainsnap.storage.posix import PosixStorage
 from trainsnap.testing import assert_all_ok, run_ranks
@@ -74,7 +75,7 @@ def test_column_quarters_land_in_their_rows_in_place_or_through_small_windows(
 
     monkeypatch.setattr(Rows, "fill", fill)
     monkeypatch.setattr(BouncePool, "buffer", buffer)
-    monkeypatch.setattr(rank_load, "_strided_copy", lambda *a: copied.append(a))
+    monkeypatch.setattr(read_plan, "_strided_copy", lambda *a: copied.append(a))
     dest = {name: torch.zeros(ROWS, n) for name, n in (("wide", WIDE), ("narrow", NARROW))}
     dest["wider"] = torch.zeros(ROWS, WIDER)
     ts.load(dest, column_root)
@@ -82,7 +83,7 @@ def test_column_quarters_land_in_their_rows_in_place_or_through_small_windows(
         assert torch.equal(dest[name], _full(columns, seed)), name
     assert filled == {dest["wide"].data_ptr(), dest["narrow"].data_ptr()}
     assert copied == []
-    window = max(rank_load._WINDOW, int(ENV["TRAINSNAP_BLOCK_SIZE"]))
+    window = max(tunables.get().read_window, int(ENV["TRAINSNAP_BLOCK_SIZE"]))
     assert asked and set(asked) == {window}
 
 
@@ -230,3 +231,24 @@ def test_parts_take_hands_out_the_next_bytes_in_order_across_any_cuts() -> None:
             pos += n
         with pytest.raises(ValueError, match="past the end"):
             parts.take(1)
+
+
+def test_column_pieces_cut_into_many_window_copies_read_each_block_once(column_root):
+    """Pieces cut into spans far smaller than a block (``copy_max``) share their edge blocks
+    with the next span: each such block is read and verified once, then kept for the next (one
+    I/O thread: spans read at once on two threads may both find the block not yet kept)."""
+    from trainsnap.storage.posix import PosixStorage
+    from trainsnap.testing.counting_store import CountingStorage
+
+    stored = sum(p.stat().st_size for p in (column_root / "objects").rglob("*") if p.is_file())
+    tunables.set_for_testing(tunables.Tunables(copy_max=3000, io_threads=1))
+    try:
+        storage = CountingStorage(PosixStorage(str(column_root)))
+        dest = {name: torch.zeros(ROWS, n) for name, n in (("wide", WIDE), ("narrow", NARROW))}
+        dest["wider"] = torch.zeros(ROWS, WIDER)
+        ts.load(dest, storage)
+    finally:
+        tunables.set_for_testing(None)
+    for name, columns, seed in (("wide", WIDE, 1), ("narrow", NARROW, 2), ("wider", WIDER, 3)):
+        assert torch.equal(dest[name], _full(columns, seed)), name
+    assert storage.bytes_read - storage.metadata_bytes <= stored

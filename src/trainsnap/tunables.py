@@ -39,9 +39,25 @@ class Tunables:
     it, a block needed again is read again."""
 
     direct_reads: int = 1
-    """1: a load reads the column pieces it copies from bounce windows straight from the device
+    """1: a load reads the windows it copies through a bounce buffer straight from the device
     (``O_DIRECT``) when none of their bytes is in the page cache and the root's file system
     allows it; 0: always through the page cache."""
+
+    min_row: int = 16 << 10
+    """Bytes: a piece whose destination rows are at least this long is read straight into its
+    rows (a scatter list of rows per block); shorter rows are read a window at a time and
+    copied (the read path of docs/ARCHITECTURE.md says why)."""
+
+    read_window: int = 2 * MiB
+    """Bytes of a short-row piece read, verified and copied at a time (at least a block)."""
+
+    coalesce_max: int = 8 * MiB
+    """Most bytes one gathered read covers: reads smaller than a block in one object are
+    gathered into runs of at most this span, each run's blocks read and verified once."""
+
+    copy_max: int = 64 * MiB
+    """Most source bytes one bounce-buffer task of a piece covers (and at most a quarter of
+    ``read_budget``): larger pieces are cut into tasks of this size."""
 
     replica_reads: int = 1
     """Ranks that need the same bytes (data-parallel replicas) split the reads and send each
@@ -80,6 +96,9 @@ class Tunables:
             raise InvalidArgumentError(
                 f"report_inline_max must be >= 0, got {self.report_inline_max}"
             )
+        for name in ("min_row", "read_window", "coalesce_max", "copy_max"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.read_budget < 2 * self.block_size:
             raise InvalidArgumentError(
                 f"read_budget ({self.read_budget}) must hold at least two blocks "

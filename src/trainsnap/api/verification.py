@@ -211,6 +211,7 @@ def _check_manifest(manifest: Manifest, marker_summary: dict[str, Any]) -> list[
 
 
 def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
+    from trainsnap.engine.read_executor import read_payload
     from trainsnap.engine.reader import Reader
 
     reader = Reader(storage, manifest)
@@ -224,7 +225,7 @@ def _check_values(storage: Storage, manifest: Manifest) -> list[Problem]:
             if manifest.value_codecs[vi] != "json":
                 continue
             buf = bytearray(n)
-            reader.read_payload(base + vi, 0, n, memoryview(buf), key)
+            read_payload(reader, base + vi, 0, n, memoryview(buf), key)
             json.loads(bytes(buf))
         except TrainsnapError as e:
             out.append(Problem(type(e), manifest.snapshot_id, e.message, e.path))

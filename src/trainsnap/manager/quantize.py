@@ -19,6 +19,7 @@ import torch
 
 from trainsnap import tunables
 from trainsnap.engine.buffers import gather
+from trainsnap.engine.read_executor import read_payload
 from trainsnap.engine.reader import Reader
 from trainsnap.engine.writer import write_object
 from trainsnap.errors import InvalidArgumentError
@@ -94,7 +95,7 @@ def quantize_history(
         for p, off, n in obj.parts:
             owner, lossy = owners[p]
             buf = bytearray(n)
-            reader.read_payload(owner, off, off + n, memoryview(buf), f"payload {owner}")
+            read_payload(reader, owner, off, off + n, memoryview(buf), f"payload {owner}")
             parts.append(memoryview(_round_to_bf16(bytes(buf)) if lossy else buf))
         w = write_object(storage, m.hasher, gather(parts, obj.size), obj.codec)
         index.append(b.add_stored(w.manifest_row()))

@@ -1,42 +1,25 @@
-"""Reads straight into destination memory, and the load's common case planned in bulk.
+"""The load's common case planned in bulk: tensors read whole from their one saved shard.
 
 A load on the topology that saved it reads each tensor whole from its one saved shard: the
 shard's chunks land back to back in the destination's bytes. :func:`whole_shards` finds those
-tensors and :func:`whole_reads` plans their reads with a few array operations over the manifest's
-tables, with no shard geometry and no pieces; every other tensor goes through the general
-planner (:func:`trainsnap.protocol.rank_load.load_tensors`). Planning holds the GIL the readers
-need, so it is paid twice once they run: in its own time and in theirs. Cost: O(number of
-chunks) array operations, no Python work per piece.
-
-:func:`direct_tasks` turns direct reads into I/O tasks: a large read is one task, small ones are
-grouped per object into runs read and verified once (packed small tensors share blocks).
+tensors and :func:`whole_reads` plans their reads (records of the load's read plan,
+:class:`~trainsnap.engine.read_plan.ObjectRead`) with a few array operations over the
+manifest's tables, with no shard geometry and no pieces; every other tensor goes through the
+general planner (:func:`trainsnap.protocol.rank_load.load_tensors`). Planning holds the GIL the
+readers need, so it is paid twice once they run: in its own time and in theirs. Cost: O(number
+of chunks) array operations, no Python work per piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
 
-from trainsnap.engine.buffers import BouncePool
-from trainsnap.engine.reader import Reader
+from trainsnap.engine.read_plan import ObjectRead
 from trainsnap.format.manifest import BOX, FLAT, I64, Manifest
 from trainsnap.format.regions import Flat, Region
-
-
-@dataclass(slots=True)
-class DirectRead:
-    """Bytes ``[start, stop)`` of object ``o`` go straight to ``parts`` (destination memory:
-    one buffer, or the rows of a column piece back to back)."""
-
-    o: int
-    start: int
-    stop: int
-    parts: list[memoryview]
-    key: str
 
 
 def _ragged(starts: I64, counts: I64) -> I64:
@@ -85,7 +68,7 @@ def whole_shards(manifest: Manifest, tensors: Sequence[int], regions: Sequence[R
 
 def whole_reads(
     manifest: Manifest, wholes: Sequence[tuple[memoryview, int, str]]
-) -> list[DirectRead]:
+) -> list[ObjectRead]:
     """The reads of destinations filled whole from one saved shard each: ``(destination bytes,
     shard row, key)``; the shard's chunks, in order, fill the bytes back to back (validated
     when the manifest was decoded: a shard's chunks hold exactly its bytes)."""
@@ -104,49 +87,7 @@ def whole_reads(
             offset, length = offsets[j], lengths[j]
             # most tensors are one chunk: the destination as it is, not a slice of it
             part = out if length == len(out) else out[pos : pos + length]
-            reads.append(DirectRead(objects[j], offset, offset + length, [part], key))
+            reads.append(ObjectRead(objects[j], offset, offset + length, [part], key))
             pos += length
         c += n
     return reads
-
-
-_COALESCE_MAX = 8 << 20
-"""Largest run of small direct reads served by one read (bytes)."""
-
-
-def direct_tasks(
-    reader: Reader, reads: list[DirectRead], pool: BouncePool
-) -> list[Callable[[], None]]:
-    """Large direct reads become one task each (read straight into the destination); small
-    ones are grouped per object into runs, each read and verified once."""
-    bs = reader.m.block_size
-    tasks: list[Callable[[], None]] = []
-    small: dict[int, list[DirectRead]] = {}
-    for r in reads:
-        if r.stop - r.start >= bs:
-            tasks.append(partial(reader.read_object_parts, r.o, r.start, r.stop, r.parts, r.key))
-        else:
-            small.setdefault(r.o, []).append(r)
-    for o, rs in small.items():
-        rs.sort(key=_start)
-        run: list[DirectRead] = []
-        for r in rs:
-            # a run is cut between blocks only: no two runs read and verify one block
-            if (
-                run
-                and r.start // bs > (run[-1].stop - 1) // bs
-                and (r.start - run[-1].stop > bs or r.stop - run[0].start > _COALESCE_MAX)
-            ):
-                tasks.append(partial(_scatter, reader, o, run, pool))
-                run = []
-            run.append(r)
-        tasks.append(partial(_scatter, reader, o, run, pool))
-    return tasks
-
-
-def _start(read: DirectRead) -> int:
-    return read.start
-
-
-def _scatter(reader: Reader, obj: int, run: list[DirectRead], pool: BouncePool) -> None:
-    reader.read_scatter(obj, [(r.start, r.stop, r.parts) for r in run], run[0].key, pool)

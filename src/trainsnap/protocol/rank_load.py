@@ -2,16 +2,11 @@
 
 For each tensor the state asks for, the saved shards that meet the local shard are found by a
 sort-and-sweep index (:class:`trainsnap.format.regions.RegionIndex`) and intersected into
-pieces. A piece
-contiguous in the snapshot is read straight into the destination's memory, chunk by chunk: into
-one range when it is contiguous there too, else into its destination rows (a column slice with
-rows of at least ``_MIN_ROW`` bytes: one ``preadv`` scatter list per block, each block verified
-as it lands, no copy). A column slice with shorter rows is read a few blocks at a time into a
-bounce buffer, verified, and copied into its rows while still in the processor's cache. Any
-other piece (a re-cut flat range) goes through a bounce buffer and one strided copy. Bounce
-buffers come from a pool bounded by the read budget and are reused from piece to piece (a fresh
-buffer pays a page fault per page). Destinations that are not CPU-contiguous are
-filled through a contiguous work tensor. Every block read is verified before its bytes are used.
+pieces; each piece becomes records of the load's read plan
+(:func:`trainsnap.engine.read_plan.piece_reads`), and values become records too. One executor
+(:class:`trainsnap.engine.read_executor.ReadExecutor`) reads them, each by the strategy its policy
+picks, every block verified before its bytes are used. Destinations that are not
+CPU-contiguous are filled through a contiguous work tensor.
 
 All checks that need no data (missing keys, shapes, dtypes, coverage) run before the first byte
 is read, so a load refused for those reasons leaves the state untouched. A load that fails while
@@ -22,17 +17,16 @@ another, before using it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from math import prod
 from typing import Any
 
 import torch
 
 from trainsnap import tunables
-from trainsnap.engine.buffers import BouncePool, Parts, Rows, raw_bytes
-from trainsnap.engine.pool import TaskRunner
+from trainsnap.engine.buffers import raw_bytes
+from trainsnap.engine.read_executor import ReadExecutor, read_payload
+from trainsnap.engine.read_plan import Destination, object_reads, piece_reads
 from trainsnap.engine.reader import Reader
 from trainsnap.errors import (
     CorruptError,
@@ -46,7 +40,7 @@ from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.regions import Piece, Region, RegionIndex
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import replica_reads
-from trainsnap.protocol.direct_reads import DirectRead, direct_tasks, whole_reads, whole_shards
+from trainsnap.protocol.direct_reads import whole_reads, whole_shards
 from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import Targets, TensorItem, ValueTarget
 from trainsnap.storage.base import Storage
@@ -55,15 +49,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Dest:
+class _Dest(Destination):
+    """A target tensor's memory for the reads (``work``: the destination itself when it is a
+    contiguous CPU tensor; ``view``, its bytes, made once here, before any read: made while the
+    I/O pool runs, its torch calls would each wait for a worker to hand the GIL back)."""
+
     item: TensorItem
-    work: torch.Tensor
-    """Contiguous CPU tensor the reads fill: the destination itself when possible."""
-    direct: bool
-    itemsize: int
-    view: memoryview
-    """The bytes of ``work``, made once here, before any read: made while the I/O pool runs,
-    its torch calls would each wait for a worker to hand the GIL back."""
 
 
 def _dest(item: TensorItem) -> _Dest:
@@ -72,7 +63,7 @@ def _dest(item: TensorItem) -> _Dest:
     t = item.local.detach() if item.local.requires_grad else item.local
     direct = t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
     work = t if direct else torch.empty(tuple(t.shape), dtype=t.dtype)
-    return _Dest(item, work, direct, t.element_size(), raw_bytes(work))
+    return _Dest(raw_bytes(work), work, t.element_size(), direct, item.key, item)
 
 
 def _check_rank_bound(manifest: Manifest, targets: Targets, same_world: bool) -> None:
@@ -161,108 +152,6 @@ def match(
     return pairs
 
 
-_MIN_ROW = 16 << 10
-"""Destination rows at least this long (bytes) are read straight into place (a scatter list of
-rows per block, verified row by row as it lands); a piece contiguous in the snapshot with
-shorter rows is read a window (``_WINDOW``) at a time into a bounce buffer, verified there, and
-copied into its rows while still in the processor's cache: below this length the Python objects
-of the rows (one scatter-list entry each) cost more than one user copy of a cache-sized window.
-Figures: docs/PERFORMANCE.md."""
-
-_WINDOW = 2 << 20
-"""Bytes of a short-row piece read, verified and copied at a time (whole blocks; a window none of
-whose bytes is cached comes straight from the device: see ``Reader.read_payload_windows``)."""
-
-
-def _strided_copy(buf: memoryview, part: Piece, low: int, work: torch.Tensor) -> None:
-    """Copy a piece from a bounce buffer holding source elements ``[lo, ...)`` into ``work``.
-    Every tensor viewing ``buf`` dies with this frame, so the buffer can be unmapped after."""
-    src = torch.frombuffer(buf, dtype=torch.uint8).view(work.dtype)
-    src = src.as_strided(part.sizes, part.src_strides, part.src_offset - low)
-    dst = work.as_strided(part.sizes, part.dst_strides, work.storage_offset() + part.dst_offset)
-    dst.copy_(src)
-
-
-def _row_elements(piece: Piece) -> int:
-    """Elements of the longest runs a piece fills contiguously in its destination (its
-    innermost dimensions whose destination strides are row-major)."""
-    run = 1
-    for size, stride in zip(reversed(piece.sizes), reversed(piece.dst_strides), strict=True):
-        if stride != run:
-            break
-        run *= size
-    return run
-
-
-def _destination_rows(out: memoryview, piece: Piece, itemsize: int) -> list[memoryview]:
-    """The destination bytes of a source-contiguous piece as one buffer per row, in source
-    order: a read fills them back to back, so the piece lands in place with no copy."""
-    row = _row_elements(piece)
-    outer = 0
-    while prod(piece.sizes[outer:]) != row:
-        outer += 1
-    # Plain Python, not numpy: numpy lets go of the GIL while it fills an array, and taking it
-    # back from the I/O threads costs up to a switch interval per call.
-    starts = [piece.dst_offset * itemsize]
-    for size, stride in zip(piece.sizes[:outer], piece.dst_strides[:outer], strict=True):
-        step = stride * itemsize
-        starts = [first + i * step for first in starts for i in range(size)]
-    nbytes = row * itemsize
-    return [out[first : first + nbytes] for first in starts]
-
-
-def _piece_tasks(
-    reader: Reader,
-    dest: _Dest,
-    shard: int,
-    piece: Piece,
-    pool: BouncePool,
-    max_elems: int,
-    direct: list[DirectRead],
-) -> list[Callable[[], None]]:
-    """Tasks for one piece. A piece contiguous in the snapshot whose destination is contiguous,
-    or made of rows of at least ``_MIN_ROW`` bytes, is only recorded in ``direct`` (read straight
-    into place, scheduled together by :func:`~trainsnap.protocol.direct_reads.direct_tasks`); one
-    with shorter rows gets window tasks (read, verified and copied a window at a time); any
-    other piece gets bounce-buffer tasks."""
-    isz, key = dest.itemsize, dest.item.key
-    in_place = dest.direct and piece.src_contiguous
-    if in_place and (piece.dst_contiguous or _row_elements(piece) * isz >= _MIN_ROW):
-        out = dest.view
-        src0, n = piece.src_offset * isz, piece.numel * isz
-        if piece.dst_contiguous:
-            dst0 = piece.dst_offset * isz
-            rows = Parts([out[dst0 : dst0 + n]])
-        else:
-            rows = Parts(_destination_rows(out, piece, isz))
-        for o, oo, _po, length in reader.payload_runs(shard, src0, src0 + n):
-            direct.append(DirectRead(o, oo, oo + length, rows.take(length), key))
-        return []
-
-    if in_place and piece.dst_strides[-1] == 1:  # short rows: copied from cache-sized windows
-
-        def windows(part: Piece) -> None:
-            lo, hi = part.src_span()
-            rows = Rows(part.sizes, part.dst_strides, part.dst_offset, isz, dest.view)
-            with pool.buffer(max(_WINDOW, reader.m.block_size)) as window:
-                deliver = partial(_fill_rows, rows, lo * isz)
-                reader.read_payload_windows(shard, lo * isz, hi * isz, window, key, deliver)
-
-        return [partial(windows, p) for p in piece.split(max_elems)]
-
-    def bounce(part: Piece) -> None:
-        lo, hi = part.src_span()
-        with pool.buffer((hi - lo) * isz) as buf:
-            reader.read_payload(shard, lo * isz, hi * isz, buf, key)
-            _strided_copy(buf, part, lo, dest.work)
-
-    return [partial(bounce, p) for p in piece.split(max_elems)]
-
-
-def _fill_rows(rows: Rows, first: int, offset: int, data: memoryview) -> None:
-    rows.fill(offset - first, data)
-
-
 def _overlaps(
     manifest: Manifest,
     tensor_index: int,
@@ -292,27 +181,20 @@ def load_tensors(reader: Reader, pairs: list[tuple[_Dest, int]], threads: int) -
     """Read every destination's elements; each destination gets every element exactly once.
 
     Coverage is checked for every tensor before the first read (a refused load touches
-    nothing). Tensors read whole from one saved shard are planned in bulk and their large
-    reads start first; the others' reads start as each is planned, while later ones are still
-    being planned; small reads are grouped per object at the end."""
-    pool = BouncePool(tunables.get().read_budget)
+    nothing). Tensors read whole from one saved shard are planned in bulk and their reads
+    start first; the others' reads start as each is planned, while later ones are still being
+    planned (:class:`~trainsnap.engine.read_executor.ReadExecutor`)."""
     wholes, rest = _split_whole(reader.m, pairs)
     found = _checked_overlaps(reader.m, rest)
-    bs = reader.m.block_size
-    reads = whole_reads(reader.m, wholes)
-    small = [r for r in reads if r.stop - r.start < bs]
-    try:
-        with TaskRunner[None](threads) as runner:
-            for task in direct_tasks(reader, [r for r in reads if r.stop - r.start >= bs], pool):
-                runner.submit(task)
-            for dest, shards in found:
-                small += _submit_reads(runner, reader, dest, shards, pool)
-            for task in direct_tasks(reader, small, pool):
-                runner.submit(task)
-    finally:
-        pool.close()
+    with ReadExecutor(reader, threads) as executor:
+        executor.add(whole_reads(reader.m, wholes))
+        for dest, shards in found:
+            for shard, pieces in shards:
+                runs_of = partial(reader.payload_runs, shard)
+                for piece in pieces:
+                    executor.add(piece_reads(piece, runs_of, dest, reader.policy))
     for dest, _ in pairs:
-        if not dest.direct:
+        if not dest.in_place:
             with torch.no_grad():
                 dest.item.local.copy_(dest.work)
 
@@ -322,7 +204,7 @@ def _split_whole(
 ) -> tuple[list[tuple[memoryview, int, str]], list[tuple[_Dest, int]]]:
     """(destination bytes, shard row, key) of the destinations read in place, whole, from
     their one saved shard; and the other pairs."""
-    direct = [(dest, t) for dest, t in pairs if dest.direct]
+    direct = [(dest, t) for dest, t in pairs if dest.in_place]
     rows = whole_shards(
         manifest, [t for _, t in direct], [dest.item.region for dest, _ in direct]
     ).tolist()
@@ -335,28 +217,6 @@ def _split_whole(
         return wholes, []
     taken = {id(dest) for (dest, _), row in zip(direct, rows, strict=True) if row >= 0}
     return wholes, [(dest, t) for dest, t in pairs if id(dest) not in taken]
-
-
-def _submit_reads(
-    runner: TaskRunner[None],
-    reader: Reader,
-    dest: _Dest,
-    shards: list[tuple[int, list[Piece]]],
-    pool: BouncePool,
-) -> list[DirectRead]:
-    """Start the reads of one destination; its direct reads smaller than a block are returned
-    instead, to be grouped with other tensors' (they share packed objects)."""
-    budget = tunables.get().read_budget
-    max_elems = max(1, min(budget // 4, 64 << 20) // dest.itemsize)
-    direct: list[DirectRead] = []
-    for shard, pieces in shards:
-        for piece in pieces:
-            for task in _piece_tasks(reader, dest, shard, piece, pool, max_elems, direct):
-                runner.submit(task)
-    bs = reader.m.block_size
-    for task in direct_tasks(reader, [r for r in direct if r.stop - r.start >= bs], pool):
-        runner.submit(task)
-    return [r for r in direct if r.stop - r.start < bs]
 
 
 def _checked_overlaps(
@@ -384,24 +244,35 @@ def _checked_overlaps(
 def read_values(
     reader: Reader, manifest: Manifest, targets: Targets, rank: int, *, allow_pickle: PickleKeys
 ) -> list[tuple[ValueTarget, Any]]:
-    """Read, verify and decode every value the state asks for (nothing is assigned yet)."""
+    """Read, verify and decode every value the state asks for (nothing is assigned yet): one
+    read plan for all of them (values packed together share blocks, read once), then each
+    decoded."""
+    if not targets.values:
+        return []
     base = manifest.value_chunk_base()
-    decoded = []
-    for v in targets.values:
-        vi = manifest.find_value(v.key, rank)
-        assert vi is not None  # match() checked
-        n = reader.checked_payload_size(base + vi, v.key)
-        buf = bytearray(n)
-        reader.read_payload(base + vi, 0, n, memoryview(buf), v.key)
-        value = values.decode(
-            manifest.value_codecs[vi],
-            bytes(buf),
-            v.key,
-            allow_pickle=allow_pickle,
-            snapshot_id=manifest.snapshot_id,
+    read: list[tuple[ValueTarget, int, bytearray]] = []
+    with ReadExecutor(reader, tunables.get().io_threads) as executor:
+        for v in targets.values:
+            vi = manifest.find_value(v.key, rank)
+            assert vi is not None  # match() checked
+            n = reader.checked_payload_size(base + vi, v.key)
+            buf = bytearray(n)
+            runs = reader.payload_runs(base + vi, 0, n)
+            executor.add(object_reads(runs, [memoryview(buf)], v.key))
+            read.append((v, vi, buf))
+    return [
+        (
+            v,
+            values.decode(
+                manifest.value_codecs[vi],
+                bytes(buf),
+                v.key,
+                allow_pickle=allow_pickle,
+                snapshot_id=manifest.snapshot_id,
+            ),
         )
-        decoded.append((v, value))
-    return decoded
+        for v, vi, buf in read
+    ]
 
 
 def read_value(reader: Reader, key: str, rank: int) -> Any:
@@ -413,7 +284,7 @@ def read_value(reader: Reader, key: str, rank: int) -> Any:
     owner = manifest.value_chunk_base() + vi
     n = reader.checked_payload_size(owner, key)
     buf = bytearray(n)
-    reader.read_payload(owner, 0, n, memoryview(buf), key)
+    read_payload(reader, owner, 0, n, memoryview(buf), key)
     return values.decode(
         manifest.value_codecs[vi],
         bytes(buf),
@@ -526,7 +397,7 @@ def _fill_shared(
         exchange.send(batch)
     exchange.finish(read_failure)
     for dest, _ in pairs:
-        if owner.get(dest.item.key, me) != me and not dest.direct:
+        if owner.get(dest.item.key, me) != me and not dest.in_place:
             with torch.no_grad():
                 dest.item.local.copy_(dest.work)
     return values

@@ -30,19 +30,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from trainsnap import faults, tunables
 from trainsnap.errors import LoadFailedError
+from trainsnap.protocol.store_ops import Job, job_of
 
 log = logging.getLogger(__name__)
-
-_GROUP: dict[str, Any] = {}
-"""The checkpoint-data process group, made once per default process group."""
-
 
 Sharing = list[tuple[tuple[int, ...], tuple[str, ...]]]
 """(members, top-level keys): the ranks (sorted, this one among them) that need the same under
@@ -97,23 +93,27 @@ def mode(world_size: int) -> int:
     return min(int(wanted), 2)
 
 
-def data_group() -> Any:
-    """The gloo group for checkpoint data; every rank must call this at the same point (it is
-    collective the first time)."""
+def job() -> Job:
+    """This process's :class:`~trainsnap.protocol.store_ops.Job` of the default process
+    group's store: it owns the checkpoint-data group."""
     import torch.distributed as dist
 
-    default = dist.distributed_c10d._get_default_group()
-    key = f"{id(default)}"
-    if key not in _GROUP:
-        seconds = float(tunables.get().heartbeat_seconds)
-        _GROUP.clear()
-        _GROUP[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-    return _GROUP[key]
+    return job_of(dist.distributed_c10d._get_default_store())
+
+
+def data_group() -> Any:
+    """The gloo group for checkpoint data, owned by the job (:meth:`Job.data_group
+    <trainsnap.protocol.store_ops.Job.data_group>`); every rank must call this at the same point
+    (it is collective the first time)."""
+    return job().data_group()
 
 
 def forget_group() -> None:
     """Drop the group after a failed exchange: a member may be gone."""
-    _GROUP.clear()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        job().forget_data_group()
 
 
 Place = tuple[str, int, str, int]

@@ -10,6 +10,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from trainsnap import tunables
 from trainsnap.protocol.planner import PlanMemory
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,33 @@ CLIENTS_LOCK = threading.Lock()
 
 class Job:
     """What this process keeps for one job (one store) between sessions: its idle store
-    clients, by kind (see ``StoreComm._kind``), and what it remembers of save plans."""
+    clients, by kind (see ``StoreComm._kind``), what it remembers of save plans, and the
+    process group its checkpoint data travels over."""
 
     def __init__(self) -> None:
         self.clients: dict[str, list[Any]] = {}
         self.plans = PlanMemory()
+        self._data_group: tuple[Any, Any] | None = None
+        """(default process group, the checkpoint-data group made for it)."""
+
+    def data_group(self) -> Any:
+        """The gloo group for checkpoint data (never the training group: no collective of the
+        training loop can be in flight on it), made for the current default process group the
+        first time it is asked for. Collective that first time: every rank of the job calls it
+        at the same point."""
+        import torch.distributed as dist
+
+        default = dist.distributed_c10d._get_default_group()
+        if self._data_group is None or self._data_group[0] is not default:
+            seconds = float(tunables.get().heartbeat_seconds)
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+            self._data_group = (default, group)
+        return self._data_group[1]
+
+    def forget_data_group(self) -> None:
+        """Drop the checkpoint-data group (after a failed exchange: a member may be gone); the
+        next :meth:`data_group` makes a fresh one."""
+        self._data_group = None
 
 
 def job_of(store: Any) -> Job:
