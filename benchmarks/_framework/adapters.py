@@ -61,6 +61,10 @@ class Trainsnap(Method):
         """What the last synchronous save returned (its stored bytes: ``nbytes``)."""
 
     def setup(self) -> None:
+        # trainsnap's public names load on first use (so that its CLI starts without torch):
+        # load them here, untimed, as a job does long before its first save
+        for name in ts.__all__:
+            getattr(ts, name)
         if self.asynchronous:
             self.saver = ts.AsyncSaver()
 
