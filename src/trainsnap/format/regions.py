@@ -38,8 +38,8 @@ class Box:
     sizes: Shape
 
     def __reduce__(self) -> tuple[type[Box], Shape2]:
-        # The default for slotted frozen dataclasses walks dataclasses.fields() per object:
-        # 2.4x slower when 4,096 ranks describe their shards.
+        # The default for slotted frozen dataclasses walks dataclasses.fields() per object, a
+        # cost per box that the coordinator pays for every shard of every rank.
         return (Box, (self.offsets, self.sizes))
 
     @property
