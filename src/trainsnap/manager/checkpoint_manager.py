@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -51,7 +50,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -66,6 +65,7 @@ from trainsnap.errors import (
 )
 from trainsnap.format.manifest import Manifest, id_step, level_rank
 from trainsnap.manager import collection, lease, memory_restore, restarts
+from trainsnap.manager.decisions import Decisions
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
@@ -77,7 +77,7 @@ from trainsnap.manager.policies import (
 from trainsnap.manager.quantize import quantize_history
 from trainsnap.manager.tiers import Tier, open_local, promote
 from trainsnap.protocol import commit
-from trainsnap.protocol.control_plane import Comm, StoreComm, comm_for
+from trainsnap.protocol.control_plane import Comm, comm_for
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state.train_state import TrainState
@@ -168,7 +168,7 @@ class CheckpointManager:
         )
         self._restored_at: float | None = None
         self._last_progress = -math.inf
-        self._decisions = _Decisions(self.comm, next(_manager_seq), options.decision_seconds)
+        self._decisions = Decisions(self.comm, next(_manager_seq), options.decision_seconds)
         self._housekeeper = Housekeeper(options.after_commit_queue)
         self._gate = SaveGate()
         self._promoting: set[str] = set()
@@ -734,58 +734,3 @@ class CheckpointManager:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
         self._previous_handlers = {}
-
-
-class _Decisions:
-    """Shared decisions on the control plane (see the module docstring). Decision step ``c`` (a
-    count of ``step()`` calls) has the key ``decide/<c>``: the kinds of save every rank makes
-    there and the next decision step. One process: decided at the step itself, no store."""
-
-    KEEP = 16
-    """Decision keys the coordinator leaves in the store (every rank is long past older ones)."""
-
-    def __init__(self, comm: Comm, seq: int, decision_seconds: float) -> None:
-        self.comm = comm
-        self.store = comm.store if isinstance(comm, StoreComm) else None
-        self.prefix = f"trainsnap/manager-{seq}"
-        self.calls = 0
-        self.next = 0
-        """The call count of the next decision step."""
-        self.decision_steps: deque[int] = deque(maxlen=self.KEEP)
-        """Call counts of the decision steps so far (bounded: the newest KEEP)."""
-        self.requested = False
-        self.preempt = False
-        """(coordinator) Signalled since its last decision step."""
-
-    def take(self, shared: Callable[[], set[str]], signalled: bool, window: int) -> set[str]:
-        """The shared kinds of save at this call. ``shared()`` evaluates the shared policies
-        (called by the coordinator at decision steps only), ``signalled``: a preemption signal
-        reached this rank since its last call, ``window``: (coordinator) calls to the next
-        decision step. Store operations: none between decision steps, save a signalled rank's
-        one request; at a decision step one read (others) or three or four (coordinator)."""
-        call, self.calls = self.calls, self.calls + 1
-        if self.store is None:
-            return shared() | ({"preempt"} if signalled else set())
-        if signalled and self.comm.is_coordinator:
-            self.preempt = True
-        elif signalled and not self.requested:
-            self.store.set(f"{self.prefix}/preempt", b"1")
-            self.requested = True
-        if call < self.next:
-            return set()
-        if self.comm.is_coordinator:
-            kinds = shared()
-            request = f"{self.prefix}/preempt"
-            if self.preempt or self.store.check([request]):
-                kinds.add("preempt")
-                self.preempt = False
-            nxt = call + max(1, window)
-            self.store.set(f"{self.prefix}/decide/{call}", json.dumps([sorted(kinds), nxt]))
-            if len(self.decision_steps) == self.KEEP:
-                self.store.delete_key(f"{self.prefix}/decide/{self.decision_steps[0]}")
-        else:
-            doc = json.loads(self.store.get(f"{self.prefix}/decide/{call}"))
-            kinds, nxt = set(doc[0]), int(doc[1])
-        self.next = nxt
-        self.decision_steps.append(call)
-        return kinds
