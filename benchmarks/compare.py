@@ -6,8 +6,9 @@ page cache, thermal state) falls on both alike. Each of ``--rounds`` rounds runs
 once on each commit, the order alternating from round to round (old-new, new-old, ...); each run
 is a fresh process whose ``trainsnap`` comes from that commit's ``src/`` (checked out into a
 temporary worktree) while the benchmark's code comes from this checkout, so both are measured
-the same way. Every number in the benchmark's ``--json`` output is collected; reported per
-number are the median over the rounds on each commit and the ratio new / old.
+the same way (``--own-benchmarks``: each commit's own, where this checkout's benchmark uses
+names the old commit lacks). Every number in the benchmark's ``--json`` output is collected;
+reported per number are the median over the rounds on each commit and the ratio new / old.
 
     python -m benchmarks.compare a015336 HEAD -- manager_step --mib 64 --reps 1
     python -m benchmarks.compare a015336 WORKTREE --rounds 5 -- save_load --gib 0.25 --reps 1
@@ -65,11 +66,13 @@ def _checkout(revision: str) -> Iterator[Path]:
         subprocess.run([*git, "worktree", "remove", "--force", str(directory)], check=False)
 
 
-def _run(tree: Path, benchmark: list[str], out: Path) -> dict[str, float]:
-    """One run of the benchmark with ``tree``'s trainsnap; its numbers."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(HERE)]))
+def _run(tree: Path, benchmark: list[str], out: Path, own: bool) -> dict[str, float]:
+    """One run of the benchmark with ``tree``'s trainsnap (and, with ``own``, ``tree``'s
+    benchmark code); its numbers."""
+    code = tree if own else HERE
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(code)]))
     command = [sys.executable, "-m", f"benchmarks.{benchmark[0]}", *benchmark[1:]]
-    subprocess.run([*command, "--json", str(out)], check=True, env=env, cwd=HERE)
+    subprocess.run([*command, "--json", str(out)], check=True, env=env, cwd=code)
     return dict(_numbers(json.loads(out.read_text())))
 
 
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     arguments.add_argument("new", help="the commit measured against it (WORKTREE: this checkout)")
     arguments.add_argument("--rounds", type=int, default=3, help="runs on each commit")
     arguments.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    arguments.add_argument(
+        "--own-benchmarks",
+        action="store_true",
+        help="run each commit's own benchmark code (when this checkout's needs newer trainsnap)",
+    )
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = arguments.parse_args(argv[:cut])
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"round {round_ + 1}/{args.rounds}: {side} ({getattr(args, side)})", flush=True
                 )
                 out = Path(scratch) / f"{side}-{round_}.json"
-                runs[side].append(_run(trees[side], benchmark, out))
+                runs[side].append(_run(trees[side], benchmark, out, args.own_benchmarks))
     keys = [key for key in runs["new"][0] if all(key in run for run in runs["old"] + runs["new"])]
     rows = []
     result: dict[str, Any] = {

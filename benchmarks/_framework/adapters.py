@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -61,10 +62,13 @@ class Trainsnap(Method):
         """What the last synchronous save returned (its stored bytes: ``nbytes``)."""
 
     def setup(self) -> None:
-        # trainsnap's public names load on first use (so that its CLI starts without torch):
-        # load them here, untimed, as a job does long before its first save
+        # trainsnap's public names load on first use (so that its CLI starts without torch),
+        # and a first save imports what it needs (DTensor's modules among them): one untimed
+        # save of a tiny state here, as a job has long done it before its first timed one
         for name in ts.__all__:
             getattr(ts, name)
+        with tempfile.TemporaryDirectory(prefix="trainsnap-warmup-") as directory:
+            ts.save({"warmup": torch.zeros(1)}, directory, step=0, no_dist=True)
         if self.asynchronous:
             self.saver = ts.AsyncSaver()
 
