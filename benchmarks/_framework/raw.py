@@ -280,7 +280,7 @@ def trainsnap_read_ranges(
     from trainsnap.engine.reader import Reader
     from trainsnap.format.manifest import object_key
     from trainsnap.protocol import commit, rank_load
-    from trainsnap.state.capture import targets
+    from trainsnap.state.template import targets
 
     storage = ts.open_storage(directory)
     (info,) = ts.list_snapshots(storage)
