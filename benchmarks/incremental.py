@@ -7,7 +7,7 @@ One process, CPU. Two parts:
    (``ts.CheckpointManager(root, async_save=False, save_options=ts.SaveOptions(chunk_size=...))``,
    ``mgr.save``) of a ``ts.TrainState`` into a fresh root. Per snapshot: the bytes it references
    (its stored size, ``mgr.last_save_bytes[0]``), the bytes it wrote (``[1]``; both cross-checked
-   against the ``saved snapshot ...`` line of the ``trainsnap.save`` logger), the dedup ratio and
+   against the ``saved snapshot ...`` line of the save protocol's logger), the dedup ratio and
    the save's wall time. Beside them, from a copy of the saved tensors kept from the previous
    snapshot: the bytes of the elements that changed, and the bytes a chunk-granular store must
    rewrite (each tensor of at least the pack threshold cut at multiples of the chunk size, a

@@ -104,7 +104,7 @@ class Trainsnap(Method):
 
 
 class SaveLog(logging.Handler):
-    """(referenced, written) of each ``saved snapshot ...`` line of ``trainsnap.save``."""
+    """(referenced, written) of each ``saved snapshot ...`` line of the save protocol's logger."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -116,14 +116,14 @@ class SaveLog(logging.Handler):
             self.saves.append((int(arguments[2]), int(arguments[3])))  # bytes=, written=
 
     def __enter__(self) -> SaveLog:
-        logger = logging.getLogger("trainsnap.save")
+        logger = logging.getLogger("trainsnap.protocol.save_protocol")
         self._level = logger.level
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        logger = logging.getLogger("trainsnap.save")
+        logger = logging.getLogger("trainsnap.protocol.save_protocol")
         logger.removeHandler(self)
         logger.setLevel(self._level)
 
