@@ -71,7 +71,8 @@ class SaveGate:
 class Housekeeper:
     """One background thread running submitted work in order, with a bounded queue."""
 
-    def __init__(self, depth: int = 4) -> None:
+    def __init__(self, depth: int = 4, name: str = "trainsnap-after-commit") -> None:
+        self._name = name
         self._queue: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue(depth)
         self._error: TrainsnapError | None = None
         self._lock = threading.Lock()
@@ -85,9 +86,7 @@ class Housekeeper:
             raise TrainsnapError(f"cannot run {what}: the manager is closed")
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="trainsnap-after-commit", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
         try:
             self._queue.put((what, work), block=wait)
@@ -117,20 +116,29 @@ class Housekeeper:
         if self._thread is not None:
             self._queue.join()
 
-    def raise_error(self) -> None:
-        """Raise the first error of the work run since the last call, once."""
+    def take_error(self) -> TrainsnapError | None:
+        """The first error of the work run since the last call, once (None: none)."""
         with self._lock:
             error, self._error = self._error, None
+        return error
+
+    def raise_error(self) -> None:
+        """Raise the first error of the work run since the last call, once."""
+        error = self.take_error()
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        """Run what is queued, stop the thread, and raise the first error not yet raised."""
+    def stop(self) -> None:
+        """Run what is queued and stop the thread (errors stay for :meth:`raise_error`)."""
         if not self._closed:
             self._closed = True
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join()
+
+    def close(self) -> None:
+        """Run what is queued, stop the thread, and raise the first error not yet raised."""
+        self.stop()
         self.raise_error()
 
 

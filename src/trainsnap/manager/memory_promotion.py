@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from trainsnap.errors import CommitFailedError, TrainsnapError
 from trainsnap.format.manifest import Manifest, manifest_key, marker_key, object_key
+from trainsnap.manager.housekeeping import Housekeeper
 from trainsnap.protocol import commit
 from trainsnap.protocol.collective import all_reduce
 from trainsnap.protocol.control_plane import Comm
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.memory")
+log = logging.getLogger(__name__)
 
 
 class Promoter:
@@ -49,11 +50,9 @@ class Promoter:
         """(coordinator) The manager's save gate: the durable collector waits for promotions."""
         self.on_promoted: Callable[[Manifest, int], None] | None = None
         """(coordinator) Called with the durable manifest and the bytes uploaded by this rank."""
-        self._queue: queue.Queue[tuple[str, dict[str, int]] | None] = queue.Queue(depth)
-        self._thread: threading.Thread | None = None
+        self._worker = Housekeeper(depth, name="trainsnap-memory-promote")
         self._pinned: set[str] = set()
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
 
     def pinned(self) -> set[str]:
         """The snapshots waiting for promotion (retention keeps them)."""
@@ -65,45 +64,26 @@ class Promoter:
         waits for room when ``depth`` promotions are queued."""
         with self._lock:
             self._pinned.add(snapshot_id)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="trainsnap-memory-promote", daemon=True
-                )
-                self._thread.start()
-        self._queue.put((snapshot_id, objects))
+        work = partial(self._promote_pinned, snapshot_id, objects)
+        self._worker.submit(f"promotion of memory snapshot {snapshot_id}", work)
 
-    def take_error(self) -> BaseException | None:
-        with self._lock:
-            error, self._error = self._error, None
-        return error
+    def take_error(self) -> TrainsnapError | None:
+        return self._worker.take_error()
 
     def drain(self) -> None:
         """Wait until every promotion submitted has finished."""
-        if self._thread is not None:
-            self._queue.join()
+        self._worker.drain()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        """Finish the promotions queued; their errors stay for :meth:`take_error`."""
+        self._worker.stop()
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._promote(*item)
-            except BaseException as e:  # kept for the training thread
-                log.error("promotion of memory snapshot %s failed: %s", item and item[0], e)
-                with self._lock:
-                    self._error = self._error or e
-            finally:
-                if item is not None:
-                    with self._lock:
-                        self._pinned.discard(item[0])
-                self._queue.task_done()
+    def _promote_pinned(self, sid: str, objects: dict[str, int]) -> None:
+        try:
+            self._promote(sid, objects)
+        finally:
+            with self._lock:
+                self._pinned.discard(sid)
 
     def _promote(self, sid: str, objects: dict[str, int]) -> None:
         uploaded = [0]

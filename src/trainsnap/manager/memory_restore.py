@@ -43,7 +43,7 @@ from trainsnap.protocol.load_protocol import state_wants
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage, read_steps, read_uncached
 
-log = logging.getLogger("trainsnap.memory")
+log = logging.getLogger(__name__)
 
 NODE = "memory (this node)"
 PARTNER = "memory (partner node)"

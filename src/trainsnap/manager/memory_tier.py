@@ -74,7 +74,7 @@ from trainsnap.protocol.save_protocol import PendingSave, finish_save, prepare_s
 from trainsnap.storage import open_storage
 from trainsnap.storage.base import Storage
 
-log = logging.getLogger("trainsnap.memory")
+log = logging.getLogger(__name__)
 
 _seq = itertools.count(1)
 _KEEP_DECISIONS = 16
