@@ -152,15 +152,20 @@ class AsyncSaver:
                     raise h._error
 
     def save(
-        self, state: Any, storage: Storage, opts: SaveRequest, comm: Comm
+        self, state: Any, storage: Storage, opts: SaveRequest, comm: Comm, *, alone: bool = False
     ) -> SaveHandle | None:
-        """Start a save; returns once its state is staged (None when skipped as busy)."""
+        """Start a save; returns once its state is staged (None when skipped as busy). With
+        ``alone`` it first waits until no other save is in flight, and is never skipped (a save
+        whose commit moves bytes between ranks, which must run one at a time and in the same
+        order on every rank: the memory tier's). A save whose state does not fit the staging
+        budget is written before this returns (from the state itself)."""
         if self._closed:
             raise TrainsnapError("this AsyncSaver is closed")
         t0 = time.perf_counter()
         self._reap(raise_errors=True)
-        while self.in_flight() >= self.max_in_flight:
-            if self.skip_if_busy:
+        limit = 1 if alone else self.max_in_flight
+        while self.in_flight() >= limit:
+            if self.skip_if_busy and not alone:
                 log.info(
                     "save of step %d skipped: %d save(s) still in flight",
                     opts.step,
@@ -178,6 +183,9 @@ class AsyncSaver:
         with self._lock:
             self._inflight.append(handle)
             self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
+        if pending.lease is None:  # not staged: the state itself is read, so not in the background
+            handle._run(self.pool)
+            return handle
         thread = threading.Thread(
             target=handle._run, args=(self.pool,), name=f"trainsnap-save-{opts.step}", daemon=True
         )

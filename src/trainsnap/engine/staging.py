@@ -68,6 +68,8 @@ class StagingPool:
         self.budget = budget
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._allocated = 0
+        self.peak = 0
+        """The most bytes the pool held at once."""
         self._lock = threading.Lock()
         self._stream: Any = None
         self._arenas: dict[tuple[Any, ...], list[_Arena]] = {}
@@ -88,6 +90,7 @@ class StagingPool:
                         f"staging {count} more bytes would exceed the budget of {self.budget}"
                     )
             self._allocated += count
+            self.peak = max(self.peak, self._allocated)
         buf = torch.empty(count, dtype=torch.uint8, pin_memory=pinned)
         buf.fill_(0)  # fault the pages in now, once; later saves reuse them warm
         return buf

@@ -60,6 +60,16 @@ def encode_marker(manifest: Manifest, manifest_bytes: bytes, writer: Mapping[str
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
+def with_writer(data: bytes, snapshot_id: str, writer: Mapping[str, Any]) -> bytes:
+    """The marker ``data`` (checked as :func:`decode_marker` does) with its ``writer`` record
+    replaced: a snapshot copied to another root (a promotion) commits there with the same
+    manifest and summary, and says who wrote it there."""
+    decode_marker(data, snapshot_id)
+    doc = json.loads(data)
+    doc["writer"] = dict(writer)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
 MAX_MARKER_BYTES: Final = 1 << 20
 """A marker is a few hundred bytes; one larger than this is refused before it is parsed."""
 

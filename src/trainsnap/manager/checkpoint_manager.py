@@ -26,21 +26,23 @@ collected at once, collection pausing while one of its saves is in flight
 taken over) only objects older than ``gc_grace`` go. A save handle is done at its commit, before
 that work; :meth:`CheckpointManager.wait` and :meth:`CheckpointManager.close` wait for it too.
 
-Tiers: with ``local=LocalTier(...)``, frequent snapshots (its ``interval``) go to a fast local
-tier and durable ones (``interval``, preemption) are saved there too and then promoted to
-``root`` in the background (objects, manifest, marker). Restore takes the newest snapshot that
-loads, whichever tier holds it, and falls back snapshot by snapshot and tier by tier. Only
-snapshots on ``root`` count as durable (:attr:`CheckpointManager.durable_step`).
-
-With ``memory=MemoryTier(...)``, snapshots go to the nodes' memory as often as every step,
-replicated to partner nodes, and durable saves promote the memory snapshot of their step
-(:mod:`trainsnap.manager.memory_tier`); restore tries a memory snapshot first where it is the
-newest (:mod:`trainsnap.manager.memory_restore`).
+Tiers (:mod:`trainsnap.manager.tiers`): the manager composes a list of them, fastest first --
+the memory tier (``memory=MemoryTier(...)``: the nodes' memory, replicated to partner nodes),
+the local tier (``local=LocalTier(...)``) and the durable ``root`` -- each with its interval and
+retention. A step any of them wants is captured and staged once and saved by the fastest tier;
+each other tier that wants it gets it by promotion in the background
+(:mod:`trainsnap.manager.schedule` states the rule). Every save goes through the manager's one
+saver and staging pool (``ManagerOptions.staging_budget`` covers every tier's saves together);
+promotion, retention and collection run on its one background worker. Restore takes the newest
+snapshot that loads, whichever tier holds it, and falls back snapshot by snapshot and tier by
+tier (:mod:`trainsnap.manager.restore`). Only snapshots on ``root`` count as durable
+(:attr:`CheckpointManager.durable_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -56,45 +58,39 @@ from typing import Any
 
 from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
-from trainsnap.api.snapshots import agree_damage, load
-from trainsnap.errors import (
-    CommitFailedError,
-    InvalidArgumentError,
-    NotFoundError,
-    TrainsnapError,
-)
-from trainsnap.format.manifest import Manifest, id_step, level_rank
-from trainsnap.manager import collection, lease, memory_restore, restarts
+from trainsnap.errors import CommitFailedError, InvalidArgumentError
+from trainsnap.format.manifest import Manifest
+from trainsnap.manager import collection, lease, restore
 from trainsnap.manager.decisions import Decisions
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
-from trainsnap.manager.policies import (
-    StepInfo,
-    as_retention,
-    as_save_policies,
-)
+from trainsnap.manager.policies import StepInfo, as_retention, as_save_policies
+from trainsnap.manager.promotion import promote
 from trainsnap.manager.quantize import quantize_history
-from trainsnap.manager.tiers import Tier, open_local, promote
+from trainsnap.manager.schedule import SaveDecision, Schedule
+from trainsnap.manager.tiers import DiskTier, Tier, open_local
 from trainsnap.protocol import commit
 from trainsnap.protocol.control_plane import Comm, comm_for
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
-from trainsnap.state.train_state import TrainState
 from trainsnap.storage import Root, open_storage
 
 log = logging.getLogger(__name__)
 
-_PROCESS_START = time.time()
-"""When this process started, as near as it can tell: the kernel's start time of the process,
-or when trainsnap was imported."""
-try:
-    with open("/proc/self/stat") as _stat, open("/proc/stat") as _boot:
-        _ticks = int(_stat.read().rsplit(")", 1)[1].split()[19])
-        _btime = next(int(line.split()[1]) for line in _boot if line.startswith("btime"))
-        _PROCESS_START = _btime + _ticks / os.sysconf("SC_CLK_TCK")
-except (OSError, ValueError, IndexError, StopIteration):
-    pass
+
+@functools.cache
+def _process_start() -> float:
+    """When this process started, as near as it can tell: the kernel's start time of the
+    process, or the first time this was asked. Read once."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/stat") as boot:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            btime = next(int(line.split()[1]) for line in boot if line.startswith("btime"))
+            return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
 
 _manager_seq = itertools.count(1)
 _MAX_WINDOW = 10_000
@@ -140,39 +136,43 @@ class CheckpointManager:
         self.save_options = save_options or SaveOptions()
         self.storage = open_storage(root, **dict(storage_options or {}))
         self.policies = as_save_policies(interval)
-        self.local_policies = as_save_policies(local.interval if local else None)
-        self.weights_policies = as_save_policies(options.weights_interval)
         self.retention = as_retention(retention)
-        self.durable = Tier(
-            "durable", self.storage, self.retention, single_writer=options.single_writer
+        self.comm: Comm = comm_for(options.coordinator, options.timeout)
+        self.durable = DiskTier(
+            "durable",
+            self.storage,
+            self.retention,
+            self.policies,
+            single_writer=options.single_writer,
         )
-        self.local: Tier | None = None
+        self.local: DiskTier | None = None
         if local is not None:
-            local_storage = open_local(local.root, local.node, local.partner, storage_options)
-            self.local = Tier(
+            self.local = DiskTier(
                 "local",
-                local_storage,
+                open_local(local.root, local.node, local.partner, storage_options),
                 as_retention(local.retention),
+                as_save_policies(local.interval),
                 single_writer=options.single_writer,
             )
+        self.memory = MemorySaves(memory, self.storage, self.comm) if memory else None
+        self.tier_list: list[Tier] = [t for t in (self.memory, self.local, self.durable) if t]
+        """Every tier, fastest first; the durable root last."""
         self.async_save = async_save
-        self.comm: Comm = comm_for(options.coordinator, options.timeout)
-        self.memory: MemorySaves | None = None
-        self.memory_policies = as_save_policies(memory.interval if memory else None)
-        if memory is not None:
-            self.memory = MemorySaves(memory, self.storage, self.comm, sync=not async_save)
         self.saver = AsyncSaver(
             max_in_flight=options.max_in_flight,
             skip_if_busy=options.skip_if_busy,
             staging_budget=options.staging_budget,
         )
+        self._decisions = Decisions(self.comm, next(_manager_seq), options.decision_seconds)
+        self.schedule = Schedule(
+            self.tier_list, as_save_policies(options.weights_interval), self._decisions
+        )
         self._restored_at: float | None = None
         self._last_progress = -math.inf
-        self._decisions = Decisions(self.comm, next(_manager_seq), options.decision_seconds)
         self._housekeeper = Housekeeper(options.after_commit_queue)
         self._gate = SaveGate()
         self._promoting: set[str] = set()
-        """Snapshots committed on the local tier and waiting for promotion: kept by retention."""
+        """Snapshots committed on a faster tier and waiting for promotion: kept by retention."""
         self._preempt_flag = threading.Event()
         self.preempted = False
         self._closed = False
@@ -187,10 +187,6 @@ class CheckpointManager:
         self.observed_mtbf: float | None = None
         if self.comm.is_coordinator:
             self._start()
-        if self.memory is not None and self.comm.is_coordinator:
-            promoter = self.memory.promoter
-            promoter.fence, promoter.gate = self.durable.fence, self._gate
-            promoter.on_promoted = lambda m, n: self._committed(0, self.durable, None, m, n)
         self._previous_handlers = self._install_signals(options.preemption_signals)
 
     # -- start, restore -------------------------------------------------------------------
@@ -227,12 +223,16 @@ class CheckpointManager:
         )
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
-    def _tiers(self) -> list[Tier]:
+    def _tiers(self) -> list[DiskTier]:
+        """The disk tiers (leases, listings), fastest first."""
         return [self.durable] if self.local is None else [self.local, self.durable]
 
-    def _record(self, kind: str, **fields: Any) -> None:
+    def record(self, kind: str, **fields: Any) -> None:
+        """(coordinator) One event of the restart log (a no-op elsewhere)."""
         if self.comm.is_coordinator and self.generation is not None:
             lease.record(self.storage, self.generation, kind, **fields)
+
+    _record = record
 
     @property
     def durable_step(self) -> int | None:
@@ -242,7 +242,7 @@ class CheckpointManager:
         return found[-1].step if found else None
 
     def tiers(self) -> dict[str, list[str]]:
-        """Which tiers hold each committed snapshot, by id."""
+        """Which disk tiers hold each committed snapshot, by id."""
         out: dict[str, list[str]] = {}
         for tier in self._tiers():
             for c in commit.list_committed(tier.storage):
@@ -263,160 +263,15 @@ class CheckpointManager:
         step: int | None = None,
     ) -> SnapshotInfo | None:
         """Restore the newest committed snapshot that loads, whichever tier holds it; fall back
-        to older ones (and from the local tier to the durable one) when it is damaged, saying
+        to older ones (and from a faster tier to a slower one) when it is damaged, saying
         why. Snapshots that cannot give ``level`` (a weights-only save) are passed over unless
         ``allow_downgrade``. None when no tier holds any. With ``step``, only the snapshots of
         that step are candidates (``NotFoundError`` naming the steps held when none is)."""
-        started = time.perf_counter()
-        in_memory = []
-        if self.memory is not None:
-            self.memory.start(self.generation)
-            in_memory = memory_restore.candidates(self.memory)
-        candidates = self._candidates(state, level, allow_downgrade, in_memory)
-        if step is not None:
-            steps = sorted({id_step(sid) for sid, _ in candidates})
-            candidates = [(sid, tiers) for sid, tiers in candidates if id_step(sid) == step]
-            if not candidates:
-                raise NotFoundError(
-                    f"no committed snapshot of step {step} that can give level {level!r} on "
-                    f"{[t.storage.url for t in self._tiers()]}; steps held: {steps or 'none'}",
-                    path=self.storage.url,
-                )
-        for sid, tier_names in candidates:
-            for name in tier_names:
-                tier = self.local if name == "local" and self.local else self.durable
-                try:
-                    if name == "memory" and self.memory is not None:
-                        info = memory_restore.restore(
-                            self.memory,
-                            state,
-                            sid,
-                            level=level,
-                            allow_downgrade=allow_downgrade,
-                            timeout=self.options.timeout,
-                        )
-                    else:
-                        info = load(
-                            state,
-                            tier.storage,
-                            snapshot=sid,
-                            level=level,
-                            allow_downgrade=allow_downgrade,
-                            coordinator=self.options.coordinator,
-                            timeout=self.options.timeout,
-                        )
-                except TrainsnapError as e:
-                    if not self._agree_fallback(e):
-                        raise
-                    log.warning(
-                        "snapshot %s on the %s tier cannot be restored, trying the next: %s",
-                        sid,
-                        name,
-                        e,
-                    )
-                    self._record("restore_failed", snapshot=sid, tier=name, error=str(e)[:500])
-                    continue
-                self._last_save_step, self._last_save_time = info.step, time.monotonic()
-                self._restored_at = time.monotonic()
-                sources = self._all_sources(info) if name == "memory" else {}
-                self._record(
-                    "restore",
-                    snapshot=info.id,
-                    step=info.step,
-                    level=info.level,
-                    tier=name,
-                    sources=sources,
-                    seconds=time.perf_counter() - started,
-                    since_start=time.time() - _PROCESS_START,
-                )
-                self._log_restart()
-                return info
-        if candidates:
-            raise TrainsnapError(
-                f"none of the {len(candidates)} committed snapshots of "
-                f"{[t.storage.url for t in self._tiers()]} could be restored; see the warnings "
-                "above for each one's damage"
-            )
-        return None
-
-    def _all_sources(self, info: SnapshotInfo) -> dict[str, int]:
-        """(all ranks) Where every rank's restored bytes came from, summed (coordinator; {}
-        elsewhere): the restart log says whether a node took its shards from partners."""
-        session = self.comm.session("restore-sources")
-        try:
-            said = session.gather("sources", dict(info.sources))
-        finally:
-            session.close()
-        total: dict[str, int] = {}
-        for sources in said or ():
-            for where, nbytes in sources.items():
-                total[where] = total.get(where, 0) + int(nbytes)
-        return total
-
-    def _log_restart(self) -> None:
-        """(coordinator) One line on what this restart lost and how long it took."""
-        if not self.comm.is_coordinator:
-            return
-        runs = restarts.history(lease.events(self.storage), lease.progress(self.storage)).runs
-        if len(runs) < 2 or runs[-1].lost_steps is None:
-            return
-        previous, run = runs[-2], runs[-1]
-        log.info(
-            "restart: generation %d restored step %s (%s): lost %s%d step(s), %.1f s of training; "
-            "the previous run reached step %s and ended with %s; restore %.3f s, %.1f s after "
-            "the process started",
-            run.generation,
-            run.restored_step,
-            run.restored_snapshot,
-            "at least " if run.lost_is_lower_bound else "",
-            run.lost_steps,
-            run.lost_seconds or 0.0,
-            previous.step_reached,
-            previous.end,
-            run.restore_seconds or 0.0,
-            run.since_start_seconds or 0.0,
-        )
-
-    def _agree_fallback(self, error: TrainsnapError) -> bool:
-        """Fall back to an older snapshot only if every rank's failure is damage to this one,
-        by the rule ``ts.load`` applies to ``"latest"`` (:func:`trainsnap.api.snapshots.load`);
-        a state that does not fit, a level the snapshot cannot give or a newer format would not
-        fit an older snapshot either, and silently resuming from further back would lose
-        progress. Every rank decides alike."""
-        return agree_damage(self.comm, error)
-
-    def _candidates(
-        self,
-        state: Any,
-        level: str,
-        allow_downgrade: bool,
-        in_memory: Sequence[tuple[str, tuple[int, str]]] = (),
-    ) -> list[tuple[str, list[str]]]:
-        """(id, tiers holding it) newest first, decided by the coordinator so every rank tries
-        the same sequence; a snapshot in ``in_memory`` is tried from the memory tier first."""
-        session = self.comm.session("restore")
-        try:
-            found = None
-            if self.comm.is_coordinator:
-                by_id: dict[str, tuple[tuple[int, str], list[str]]] = {}
-                for tier in self._tiers():
-                    for c in commit.list_committed(tier.storage):
-                        if (
-                            isinstance(state, TrainState)
-                            and not allow_downgrade
-                            and level_rank(str(c.marker.summary.get("level", "weights")))
-                            < min(level_rank(level), level_rank(state.level_cap()))
-                        ):
-                            continue  # cannot give the level asked (e.g. a weights-only save)
-                        key = (c.step, str(c.marker.summary.get("created", "")))
-                        by_id.setdefault(c.snapshot_id, (key, []))[1].append(tier.name)
-                for sid, key in in_memory:
-                    by_id.setdefault(sid, (key, []))[1].insert(0, "memory")
-                ordered = sorted(by_id.items(), key=lambda kv: kv[1][0], reverse=True)
-                found = [(sid, names) for sid, (_, names) in ordered]
-            return list(session.broadcast("candidates", found))
-        finally:
-            session.close()
+        info = restore.restore(self, state, level, allow_downgrade, step, _process_start())
+        if info is not None:
+            self._last_save_step, self._last_save_time = info.step, time.monotonic()
+            self._restored_at = time.monotonic()
+        return info
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -427,7 +282,7 @@ class CheckpointManager:
             return
         if self._restored_at is not None:
             seconds = now - self._restored_at
-            first = lambda: self._record("first_step", step=step, seconds=seconds)  # noqa: E731
+            first = lambda: self.record("first_step", step=step, seconds=seconds)  # noqa: E731
             self._housekeeper.submit("recording the first step", first)
             self._restored_at = None
         if now - self._last_progress >= self.options.progress_seconds:
@@ -473,67 +328,38 @@ class CheckpointManager:
             step_times=tuple(self._step_times),
             mtbf_observed=self.observed_mtbf,
         )
-        kinds = (
-            ("durable", self.policies),
-            ("local", self.local_policies),
-            ("weights", self.weights_policies),
-            ("memory", self.memory_policies),
-        )
-        local = {k for k, ps in kinds if any(p.should_save(info) for p in ps if not p.shared)}
-
-        def shared() -> set[str]:
-            return {k for k, ps in kinds if any(p.should_save(info) for p in ps if p.shared)}
-
         signalled = self._preempt_flag.is_set()
         self._preempt_flag.clear()
-        wanted = local | self._decisions.take(shared, signalled, self._window(info))
-        if not wanted:
+        decision = self.schedule.decide(info, signalled, self._window(info))
+        if decision is None:
             return False
-        preempt = "preempt" in wanted
-        if self.memory is not None and wanted & {"memory", "durable", "preempt"}:
-            durable = bool(wanted & {"durable", "preempt"})
-            return self._memory_step(step, state, metrics, durable=durable, preempt=preempt)
-        if preempt or "durable" in wanted:
-            handle = self.save(step, state, metrics=metrics)
-        elif "local" in wanted:
-            handle = self.save(step, state, metrics=metrics, tier="local")
-        else:
-            handle = self.save(step, state, metrics=metrics, parts=("model",))
-        if preempt:
+        if self._skipped(decision):
+            return False
+        handle = self._save(step, state, decision, metrics)
+        if decision.preempt:
             self.preempted = True
             if isinstance(handle, SaveHandle):
                 handle.wait()  # a preempted job must not exit before its save is durable
             self._housekeeper.drain()  # ... nor before it is promoted to the durable root
-            self._record("preempt", step=step)
+            self.record("preempt", step=step)
         return handle is not None
 
-    def _memory_step(
-        self,
-        step: int,
-        state: Any,
-        metrics: Mapping[str, float] | None,
-        *,
-        durable: bool,
-        preempt: bool,
-    ) -> bool:
-        """A memory snapshot at this step, promoted to the durable root when ``durable``
-        (:mod:`trainsnap.manager.memory_tier`); False when skipped (the previous one in flight)."""
-        assert self.memory is not None
-        self.memory.start(self.generation)
-        if not self.memory.decide(force=durable):
+    def _skipped(self, decision: SaveDecision) -> bool:
+        """(all ranks) A memory snapshot only the memory tier wants, skipped because the
+        coordinator's saver is busy (:meth:`Schedule.skip`); starts the memory tier first."""
+        memory = self.memory
+        if memory is None or decision.front is not memory:
             return False
-        tree, opts = self.save_options.request(state, step)
-        if metrics:
-            measured = {str(k): float(v) for k, v in metrics.items()}
-            opts.options = replace(opts.options, meta={**opts.options.meta, "metrics": measured})
-        self.memory.save(tree, opts, promote=durable)
-        self._save_costs.append(self.memory.pause)  # what Young/Daly weigh: the blocking cost
-        self._last_save_step, self._last_save_time = step, time.monotonic()
-        if preempt:
-            self.preempted = True
-            self.memory.drain()  # a preempted job must not exit before its save is durable
-            self._housekeeper.drain()
-            self._record("preempt", step=step)
+        memory.start(self.generation)
+        if not decision.skippable or memory.options.wait_if_busy:
+            return False
+        if not self.schedule.skip(busy=self.saver.in_flight() > 0):
+            return False
+        memory.skipped += 1
+        log.info(
+            "memory snapshot skipped: the previous save is still in flight (%d skipped so far)",
+            memory.skipped,
+        )
         return True
 
     def save(
@@ -557,35 +383,59 @@ class CheckpointManager:
             raise InvalidArgumentError(
                 "tier='local' needs a local tier: pass local=LocalTier(root=...) to the manager"
             )
+        return self._save(step, state, self.schedule.explicit(tier), metrics, tags, parts)
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        decision: SaveDecision,
+        metrics: Mapping[str, float] | None,
+        tags: Sequence[str] = (),
+        parts: Sequence[str] | None = None,
+    ) -> SaveHandle | SnapshotInfo | None:
+        """One capture and one staging of the state, saved to ``decision.front`` through the
+        manager's saver; its commit hands the promotions to the background worker."""
         meta: dict[str, Any] = {}
         if metrics:
             meta["metrics"] = {str(k): float(v) for k, v in metrics.items()}
         if tags:
             meta["tags"] = [str(t) for t in tags]
+        if decision.weights_only and parts is None:
+            parts = ("model",)
         tree, opts = self.save_options.request(state, step, parts)
         opts.options = replace(opts.options, meta={**opts.options.meta, **meta})
-        target = self.local if self.local is not None else self.durable
-        promote_to = self.durable if (tier == "durable" and self.local is not None) else None
-        opts.fence = target.fence if self.comm.is_coordinator else None
+        front, coordinator = decision.front, self.comm.is_coordinator
+        if front is self.memory:
+            # content addresses are checked block by block on each copy
+            opts.options = replace(opts.options, compression=None)
+        opts.committer = front.committer
+        opts.fence = front.fence if coordinator else None
         self._housekeeper.raise_error()
-        token = self._gate.begin() if self.comm.is_coordinator else 0
-        if self.comm.is_coordinator:
-            opts.on_commit = lambda m, n: self._committed(token, target, promote_to, m, n)
+        gated = coordinator and any(t is not self.memory for t in decision.tiers)
+        token = self._gate.begin() if gated else 0
+        opts.on_commit = lambda sid, m, n: self._committed(token, decision, sid, m, n)
         t0 = time.perf_counter()
         result: SaveHandle | SnapshotInfo | None = None
+        committed = False
         try:
             if self.async_save:
-                result = self.saver.save(tree, target.storage, opts, self.comm)
+                result = self.saver.save(
+                    tree, front.storage, opts, self.comm, alone=front is self.memory
+                )
                 if result is not None:
-                    result.add_done_callback(lambda _: self._gate.end(token))
                     self._handles.append(result)
                     self._save_costs.append(result.pause)
+                    # a failed save ends its gate token; a committed one's ends with its promotions
+                    result.add_done_callback(lambda h: None if h.result else self._gate.end(token))
+                    committed = True
             else:
-                r = run_save(tree, target.storage, opts, self.comm)
+                r = run_save(tree, front.storage, opts, self.comm)
                 self._save_costs.append(time.perf_counter() - t0)
-                result = r.info(target.storage.url)
+                result = r.info(front.storage.url)
+                committed = True
         finally:
-            if not isinstance(result, SaveHandle):
+            if not committed:
                 self._gate.end(token)
         if result is not None:
             self._last_save_step, self._last_save_time = step, time.monotonic()
@@ -594,54 +444,105 @@ class CheckpointManager:
     def _committed(
         self,
         token: int,
-        tier: Tier,
-        promote_to: Tier | None,
-        manifest: Manifest,
+        decision: SaveDecision,
+        sid: str,
+        manifest: Manifest | None,
         bytes_written: int,
     ) -> None:
-        """(coordinator, on the thread that committed) Record the save in the restart log (one
-        small object: a crash right after the commit must not lose it), then hand the rest to
-        the background worker; waits only when its queue is full."""
-        self._gate.end(token)
-        tier.newest, tier.newest_step = manifest.snapshot_id, manifest.step
-        self.last_save_bytes = (manifest.nbytes, bytes_written)
-        self._record(
-            "save",
-            snapshot=manifest.snapshot_id,
-            step=manifest.step,
-            pause=self._save_costs[-1] if self._save_costs else None,
-            nbytes=manifest.nbytes,
-            bytes_written=bytes_written,
-            level=manifest.level,
-            tier=tier.name,
-        )
-        if promote_to is not None:
-            self._promoting.add(manifest.snapshot_id)
+        """(every rank, on the thread that committed) The coordinator records the save in the
+        restart log (one small object: a crash right after the commit must not lose it); the
+        promotions, retention and collection go to the background worker (every rank's, for
+        the collective promotions of a memory snapshot). Waits only when its queue is full."""
+        front, memory = decision.front, self.memory
+        collective = memory is not None and front is memory
+        if memory is not None and collective and decision.promote_to:
+            memory.pin(sid)
+        if manifest is not None:  # the coordinator
+            front.newest, front.newest_step = sid, manifest.step
+            self.last_save_bytes = (manifest.nbytes, bytes_written)
+            if front is not memory:
+                self.record(
+                    "save",
+                    snapshot=sid,
+                    step=manifest.step,
+                    pause=self._save_costs[-1] if self._save_costs else None,
+                    nbytes=manifest.nbytes,
+                    bytes_written=bytes_written,
+                    level=manifest.level,
+                    tier=front.name,
+                )
+            self._promoting.update([sid] if decision.promote_to else [])
+        elif not (collective and decision.promote_to):
+            return
+        if not decision.promote_to:
+            self._gate.end(token)
+            if front is memory:
+                return
         self._housekeeper.submit(
-            f"after-commit work of snapshot {manifest.snapshot_id}",
-            lambda: self._after_commit(tier, promote_to, manifest, bytes_written),
+            f"after-commit work of snapshot {sid}",
+            lambda: self._after_commit(token, decision, sid, manifest, bytes_written),
         )
 
     def _after_commit(
-        self, tier: Tier, promote_to: Tier | None, manifest: Manifest, bytes_written: int
+        self,
+        token: int,
+        decision: SaveDecision,
+        sid: str,
+        manifest: Manifest | None,
+        bytes_written: int,
     ) -> None:
-        """(coordinator, background worker) promote, apply retention, quantise, collect."""
-        touched = [tier]
-        if promote_to is not None:
-            copied = promote(
-                tier.storage, promote_to.storage, manifest.snapshot_id, fence=promote_to.fence
-            )
-            self._promoting.discard(manifest.snapshot_id)
-            promote_to.newest, promote_to.newest_step = manifest.snapshot_id, manifest.step
-            self._record(
-                "promote", snapshot=manifest.snapshot_id, step=manifest.step, bytes_copied=copied
-            )
-            touched.append(promote_to)
-        for t in touched:
+        """(background worker) promote to each tier that wants the snapshot; then
+        (coordinator) apply retention, quantise, collect on every disk tier touched."""
+        front, memory = decision.front, self.memory
+        touched = [] if front is memory else [front]
+        try:
+            for dst in decision.promote_to:
+                copied = self._promote(front, dst, sid)
+                if manifest is None:
+                    continue
+                dst.newest, dst.newest_step = sid, manifest.step
+                touched.append(dst)
+                if front is memory:  # what the restart log knows of a memory snapshot
+                    self.record(
+                        "save",
+                        snapshot=sid,
+                        step=manifest.step,
+                        nbytes=manifest.nbytes,
+                        bytes_written=copied,
+                        level=manifest.level,
+                        tier=dst.name,
+                        promoted_from=front.name,
+                    )
+                else:
+                    self.record("promote", snapshot=sid, step=manifest.step, bytes_copied=copied)
+        finally:
+            if memory is not None:
+                memory.unpin(sid)
+            self._promoting.discard(sid)
+            self._gate.end(token)
+        for t in touched if manifest is not None else ():
             t.apply_retention(protected=frozenset(self._promoting))
             if self.options.quantize_history:
                 self._quantize(t)
             self._collect(t)
+
+    def _promote(self, src: Tier, dst: Tier, sid: str) -> int:
+        """One promotion (:func:`trainsnap.manager.promotion.promote`): a memory snapshot by
+        every rank from its node's directory; a disk tier's by the coordinator alone."""
+        coordinator = self.comm.is_coordinator
+        writer = {"world_size": self.comm.world_size, "promoted_from": src.name}
+        fence = dst.fence if coordinator else None
+        if src is self.memory:
+            return promote(
+                src.storage,
+                dst.storage,
+                sid,
+                writer=writer,
+                objects=self.memory.objects(sid),
+                comm=self.memory.promote_comm,
+                fence=fence,
+            )
+        return promote(src.storage, dst.storage, sid, writer=writer, fence=fence)
 
     def _collect(self, tier: Tier) -> None:
         """Everything unreferenced at once while this manager holds the tier's lease (its saves
@@ -665,39 +566,35 @@ class CheckpointManager:
 
     def apply_retention(self) -> list[str]:
         """Delete the committed snapshots no retention policy keeps (never the newest), on
-        every tier."""
+        every disk tier."""
         self._housekeeper.drain()
         protected = frozenset(self._promoting)
         return [sid for t in self._tiers() for sid in t.apply_retention(protected)]
 
     def wait(self) -> None:
-        """Wait for the save in flight and the after-commit work of every committed save
+        """Wait for the saves in flight and the after-commit work of every committed save
         (promotion, retention, collection); raise the first error of either."""
         try:
             self.saver.wait()
-            if self.memory is not None:
-                self.memory.drain()
         finally:
             self._housekeeper.drain()
         self._housekeeper.raise_error()
 
     def close(self) -> None:
-        """Wait for the save in flight and the after-commit work (raising the first error of
+        """Wait for the saves in flight and the after-commit work (raising the first error of
         either), release the root, restore the previous signal handlers."""
         if self._closed:
             return
         try:
             try:
                 self.saver.close()
-                if self.memory is not None:
-                    self.memory.close()
             finally:
                 self._housekeeper.close()
         finally:
             self._closed = True
             self._restore_signals()
             if self.comm.is_coordinator and self.generation is not None:
-                self._record("close")
+                self.record("close")
                 for tier in self._tiers():
                     tier.release()
 

@@ -33,6 +33,8 @@ class Decisions:
         """The call count of the next decision step."""
         self.decision_steps: deque[int] = deque(maxlen=self.KEEP)
         """Call counts of the decision steps so far (bounded: the newest KEEP)."""
+        self.agreed = 0
+        """Calls of :meth:`agree` so far."""
         self.requested = False
         self.preempt = False
         """(coordinator) Signalled since its last decision step."""
@@ -69,3 +71,18 @@ class Decisions:
         self.next = nxt
         self.decision_steps.append(call)
         return kinds
+
+    def agree(self, go: bool) -> bool:
+        """(all ranks, at the same call) The coordinator's ``go`` on every rank: whether a
+        save that may be skipped when the saver is busy runs (a rank's own view of its saver
+        may differ). One store write (coordinator) or read (others); none in one process."""
+        if self.store is None:
+            return go
+        n, self.agreed = self.agreed, self.agreed + 1
+        key = f"{self.prefix}/go/{n}"
+        if self.comm.is_coordinator:
+            self.store.set(key, b"1" if go else b"0")
+            if n >= self.KEEP:
+                self.store.delete_key(f"{self.prefix}/go/{n - self.KEEP}")
+            return go
+        return bytes(self.store.get(key)) == b"1"

@@ -33,10 +33,9 @@ from typing import Any
 from trainsnap.api.snapshots import is_damage, load
 from trainsnap.errors import CorruptError, TrainsnapError
 from trainsnap.format.encoding import decode
-from trainsnap.format.manifest import Manifest, manifest_key, marker_key, object_key
+from trainsnap.format.manifest import Manifest, marker_key, object_key
 from trainsnap.format.manifest_part import PartIndex
 from trainsnap.format.marker import check_manifest_bytes, decode_marker
-from trainsnap.manager.memory_nodes import refusal
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.protocol import commit, replication
 from trainsnap.protocol.load_protocol import state_wants
@@ -47,30 +46,6 @@ log = logging.getLogger(__name__)
 
 NODE = "memory (this node)"
 PARTNER = "memory (partner node)"
-
-
-def candidates(mem: MemorySaves) -> list[tuple[str, tuple[int, str]]]:
-    """(all ranks) The memory snapshots committed on some node that this job may restore, newest
-    first, as (id, (step, created)); the same list on every rank."""
-    mine: list[tuple[str, int, str]] = []
-    if mem.is_leader:
-        for c in commit.list_committed(mem.storage):
-            why = refusal(c.marker.writer, mem.job, mem.generation, mem.present, c.snapshot_id)
-            if why:
-                log.warning("memory snapshot %s is not restored: %s", c.snapshot_id, why)
-                continue
-            mine.append((c.snapshot_id, c.step, str(c.marker.summary.get("created", ""))))
-    session = mem.comm.session("memory-candidates")
-    try:
-        said = session.gather("held", mine)
-        found = None
-        if said is not None:
-            by_id = {sid: (step, created) for held in said for sid, step, created in held}
-            found = sorted(by_id.items(), key=lambda kv: kv[1], reverse=True)
-        decided = session.broadcast("candidates", found)
-        return [(sid, (int(key[0]), str(key[1]))) for sid, key in decided]
-    finally:
-        session.close()
 
 
 def restore(
@@ -188,7 +163,7 @@ def _fetch(mem: MemorySaves, manifest: Manifest, needed: Mapping[str, int]) -> i
     bad: set[tuple[str, int]] = set()
     received = 0
     for _ in range(1 + topology.copies):
-        missing = sorted(n for n, z in needed.items() if not mem._has(n, z))
+        missing = sorted(n for n, z in needed.items() if not mem.has(n, z))
         session = comm.session("memory-fetch")
         try:
             said = session.gather("missing", missing)
@@ -196,7 +171,7 @@ def _fetch(mem: MemorySaves, manifest: Manifest, needed: Mapping[str, int]) -> i
             union = session.broadcast("union", union)
             if not union:
                 return received
-            held = [n for n in union if mem._has(n, sizes[n])] if mem.is_leader else None
+            held = [n for n in union if mem.has(n, sizes[n])] if mem.is_leader else None
             holdings = session.gather("held", held)
             plan = None
             if said is not None and holdings is not None:
@@ -215,7 +190,7 @@ def _fetch(mem: MemorySaves, manifest: Manifest, needed: Mapping[str, int]) -> i
             group = replication.checkpoint_data_group()
             moves = [replication.Transfer(*t) for t in transfers]
             failed, nbytes = replication.move(
-                moves, rank, group, mem._read, mem._write, manifest.hasher
+                moves, rank, group, mem.read, mem.write, manifest.hasher
             )
             received += nbytes
             mine = [(t.name, topology.nodes[t.source]) for t in failed]
@@ -356,4 +331,4 @@ class _Counted:
         return getattr(self.inner, name)
 
 
-__all__ = ["NODE", "PARTNER", "candidates", "restore", "manifest_key"]
+__all__ = ["NODE", "PARTNER", "restore"]

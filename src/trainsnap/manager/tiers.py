@@ -1,5 +1,13 @@
-"""Tiers: a fast local tier (node NVMe, RAM disk) in front of a durable one, and a local tier
-that survives the loss of one node.
+"""Tiers: the roots a manager saves to, one protocol for all of them (:class:`Tier`), and the
+local tier that survives the loss of one node.
+
+A manager composes a list of tiers, fastest first: the memory tier
+(:class:`~trainsnap.manager.memory_tier.MemorySaves`), the local disk tier and the durable root
+(:class:`DiskTier`). Each has its storage, its save interval, its retention policies, its lease
+and its committer (:class:`~trainsnap.protocol.commit.Committer`: direct for a disk tier,
+replicated for the memory tier), and says what a restore from it needs first
+(:meth:`Tier.prepare_restore`). Which tier saves a step and which get it by promotion is
+:mod:`trainsnap.manager.schedule`'s rule; promotion is :func:`trainsnap.manager.promotion.promote`.
 
 :class:`NodeTier` is the local tier of a job whose nodes each have their own root. A rank writes
 its objects to its node's root and, with ``partner=True``, to the next node's root too;
@@ -7,26 +15,21 @@ snapshot files (manifest, marker), leases and events go to every node's root. Re
 node's root first, then in the others; listings are the union. So after losing one node, the
 surviving roots still hold every object and every manifest: the local tier still restores.
 
-:func:`promote` copies a committed snapshot from one tier to another in commit order: missing
-objects, then the manifest, then the marker -- the destination never shows a snapshot whose
-objects are not all there.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from trainsnap import faults
-from trainsnap.errors import InvalidArgumentError, TrainsnapError
-from trainsnap.format.manifest import manifest_key, marker_key, object_key
+from trainsnap.errors import InvalidArgumentError
 from trainsnap.manager import lease
-from trainsnap.manager.policies import Candidate, Retention, to_delete
+from trainsnap.manager.policies import Candidate, Retention, SavePolicy, to_delete
 from trainsnap.protocol import commit
+from trainsnap.protocol.commit import DIRECT, Committer
 from trainsnap.storage import open_storage
 from trainsnap.storage.base import Buffer, Storage
 
@@ -127,45 +130,6 @@ class NodeTier:
                 root.put(key, data)  # the partner lost its copy: restore it
 
 
-def promote(src: Storage, dst: Storage, snapshot_id: str, fence: object = None) -> int:
-    """Copy a committed snapshot from ``src`` to ``dst`` (objects, manifest, marker, in that
-    order); returns the bytes of objects copied. Objects already in ``dst`` are not copied."""
-    m = commit.open_snapshot(src, snapshot_id)
-    copied = 0
-    for name, size in zip(m.object_names, m.stored().tolist(), strict=True):
-        key = object_key(name)
-        try:
-            if dst.stat(key) == size:
-                # Reused in the destination: keep it young for the collector's grace period.
-                if time.time() - dst.mtime(key) > 60:
-                    dst.refresh(key, src.get(key))
-                continue
-        except FileNotFoundError:
-            pass
-        data = src.get(key)
-        if len(data) != size:
-            raise TrainsnapError(
-                f"cannot promote {snapshot_id}: object {name} is {len(data)} bytes in "
-                f"{src.url}, the manifest says {size}",
-                snapshot_id=snapshot_id,
-                path=key,
-            )
-        faults.point("promote_object")
-        dst.put(key, data)
-        copied += size
-    faults.point("promote_manifest")
-    if callable(fence):
-        fence()
-    key = manifest_key(snapshot_id, m.format_version)
-    dst.put(key, src.get(key))
-    faults.point("promote_marker")
-    if callable(fence):
-        fence()
-    dst.put(marker_key(snapshot_id), src.get(marker_key(snapshot_id)))
-    log.info("promoted %s from %s to %s (%d bytes copied)", snapshot_id, src.url, dst.url, copied)
-    return copied
-
-
 # -- the tiers a manager writes -------------------------------------------------------------------
 
 
@@ -176,23 +140,76 @@ def candidate(cap: commit.Committed) -> Candidate:
     )
 
 
+class Tier(Protocol):
+    """One root the manager saves to (module docstring)."""
+
+    name: str
+    """``"memory"``, ``"local"`` or ``"durable"``: what the restart log and history say."""
+    storage: Storage
+    """Where this rank reads and writes the tier (a node's view of it for a per-node tier)."""
+    policies: list[SavePolicy]
+    """When the tier wants a snapshot (its interval)."""
+    retention: list[Retention]
+    committer: Committer
+    lease: lease.Lease | None
+    newest: str | None
+    newest_step: int | None
+
+    def start(self, generation: int | None) -> None:
+        """(all ranks, once, before the first save or restore) take the tier over."""
+
+    def fence(self) -> None:
+        """Raise when this job may no longer commit to the tier."""
+
+    def apply_retention(self, protected: frozenset[str] = frozenset()) -> list[str]:
+        """Delete what no retention policy keeps, never the newest nor ``protected``."""
+        ...
+
+    def candidates(self) -> list[tuple[str, tuple[int, str]]]:
+        """(all ranks) The snapshots this job may restore from the tier, as
+        (id, (step, created)), the same on every rank."""
+        ...
+
+    def prepare_restore(self, snapshot_id: str) -> Storage:
+        """(all ranks) Make ``snapshot_id`` loadable from this rank and return the storage the
+        ordinary load reads it from."""
+        ...
+
+    def release(self) -> None:
+        """(coordinator, at close) Give the tier back."""
+
+
 @dataclass(slots=True)
-class Tier:
-    """One root the manager writes: its storage, lease, retention and newest snapshot."""
+class DiskTier:
+    """The durable root or the local disk tier: a :class:`Tier` whose commit is direct and
+    whose restore needs nothing first."""
 
     name: str
     storage: Storage
     retention: list[Retention]
+    policies: list[SavePolicy] = field(default_factory=list)
     lease: lease.Lease | None = None
     newest: str | None = None
     newest_step: int | None = None
     single_writer: bool = False
+    committer: Committer = DIRECT
 
-    def start(self) -> None:
+    def start(self, generation: int | None = None) -> None:
         self.lease = lease.Lease.take(self.storage, single_writer=self.single_writer)
         found = commit.list_committed(self.storage)
         if found:
             self.newest_step = found[-1].step
+
+    def candidates(self) -> list[tuple[str, tuple[int, str]]]:
+        """(coordinator) Every committed snapshot, newest first."""
+        found = commit.list_committed(self.storage)
+        return [
+            (c.snapshot_id, (c.step, str(c.marker.summary.get("created", ""))))
+            for c in reversed(found)
+        ]
+
+    def prepare_restore(self, snapshot_id: str) -> Storage:
+        return self.storage
 
     def fence(self) -> None:
         if self.lease is not None:

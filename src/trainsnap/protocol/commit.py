@@ -20,7 +20,7 @@ import logging
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Protocol
 
 from trainsnap import faults
 from trainsnap.errors import (
@@ -79,6 +79,64 @@ def write_commit(
     storage.put(marker_key(sid), encode_marker(manifest, data, writer))
     faults.point("after_marker")
     return data
+
+
+class Committer(Protocol):
+    """How a save commits: the seam between the save protocol (plan, write, report) and what
+    makes its snapshot exist. The protocol calls, in order:
+
+    1. :meth:`prepared` (all ranks, on the caller's thread, once the plan is agreed and the
+       state staged, before anything is written);
+    2. :meth:`write` (coordinator, every report in and good): the manifest and marker, built by
+       ``format/``;
+    3. :meth:`settle` (all ranks, once every rank knows the coordinator's outcome was good):
+       the rest of the commit (a replicated commit's copies and markers); an error here is the
+       save's failure, raised on every rank.
+
+    ``reports_inline``: write reports travel through the control plane only, never through
+    ``storage`` (a rank's storage is not the coordinator's, as a node directory is not)."""
+
+    reports_inline: bool
+
+    def prepared(self, pending: Any) -> None:
+        """``pending``: the :class:`~trainsnap.protocol.save_protocol.PendingSave`; ``report``
+        below: this rank's :class:`~trainsnap.protocol.rank_save.WriteReport` (this module is
+        below both)."""
+
+    def write(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        writer: Mapping[str, Any],
+        fence: Callable[[], None] | None,
+    ) -> None: ...
+
+    def settle(self, pending: Any, report: Any, manifest: Manifest | None) -> None: ...
+
+
+class DirectCommit:
+    """The ordinary commit (module docstring): the coordinator writes the manifest, then the
+    marker, into the save's storage; nothing before or after."""
+
+    reports_inline = False
+
+    def prepared(self, pending: Any) -> None:
+        return None
+
+    def write(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        writer: Mapping[str, Any],
+        fence: Callable[[], None] | None,
+    ) -> None:
+        write_commit(storage, manifest, writer, fence)
+
+    def settle(self, pending: Any, report: Any, manifest: Manifest | None) -> None:
+        return None
+
+
+DIRECT: Final = DirectCommit()
 
 
 @dataclass(frozen=True, slots=True)

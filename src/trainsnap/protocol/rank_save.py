@@ -26,6 +26,7 @@ from trainsnap.format.checksums import Hasher
 from trainsnap.format.layout import SaveLayout, layout_objects
 from trainsnap.format.manifest import STATE_KINDS, StoredObject, check_level
 from trainsnap.format.values import PickleKeys
+from trainsnap.protocol.commit import DIRECT, Committer
 from trainsnap.protocol.planner import GLOBAL, Assignment, Entry, RankMeta, Value
 from trainsnap.state.capture import Captured, TensorItem, capture
 from trainsnap.state.train_state import TrainState
@@ -117,9 +118,13 @@ class SaveRequest:
     """Which of :data:`~trainsnap.format.manifest.STATE_KINDS` the state holds."""
     fence: Callable[[], None] | None = None
     """Raises when this writer may no longer commit (see :mod:`trainsnap.manager.lease`)."""
-    on_commit: Callable[[Any, int], None] | None = None
-    """Called on the coordinator with the manifest and the bytes written once committed
-    (restart log, retention, collection)."""
+    on_commit: Callable[[str, Any, int], None] | None = None
+    """Called on every rank once committed, with the snapshot id, the manifest (the
+    coordinator's; None elsewhere) and the bytes written (restart log, promotion, retention,
+    collection)."""
+    committer: Committer = DIRECT
+    """How the save commits (:class:`~trainsnap.protocol.commit.Committer`): the manifest then
+    the marker into the save's storage, unless a tier commits otherwise."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:

@@ -14,10 +14,12 @@ thread, for an asynchronous save):
    storage and only its size and digest sent (:mod:`trainsnap.protocol.write_reports`).
 4. (coordinator) gather the reports (reading and checking the stored ones). A rank that failed,
    died or went silent, or whose stored report is missing or changed, means no commit;
-   otherwise assemble the manifest and commit it (manifest, then marker:
-   :mod:`trainsnap.protocol.commit`).
+   otherwise assemble the manifest and commit it through the save's committer
+   (:class:`~trainsnap.protocol.commit.Committer`; the direct one writes the manifest, then the
+   marker).
 5. (all ranks) learn the outcome: the snapshot, or one error listing every failing rank. The
-   coordinator then deletes the stored reports.
+   coordinator then deletes the stored reports; every rank then settles the commit (nothing
+   for a direct commit; copies and every node's marker for a replicated one).
 """
 
 from __future__ import annotations
@@ -130,6 +132,12 @@ def prepare_save(
             with trace.span("stage", step=opts.step) as ev:
                 pending.lease = _stage(pending, pool)
                 ev["bytes"] = pending.lease.nbytes if pending.lease else 0
+        try:
+            opts.committer.prepared(pending)
+        except BaseException:
+            if pool is not None and pending.lease is not None:
+                pool.release(pending.lease)
+            raise
         pending.pause = time.perf_counter() - t0
         return pending
     except BaseException:
@@ -295,14 +303,15 @@ def _finish(pending: PendingSave) -> SaveResult:
         manifest, outcome = _report_and_commit(pending, report)
     if not outcome.ok:
         raise _not_committed(opts.step, sid, outcome.rank_errors)
+    opts.committer.settle(pending, report, manifest)  # nothing for a direct commit
     dt = time.perf_counter() - pending.t0
     # Phases, each measured from the same clock readings: wait + pause + drain == seconds.
     pause = min(pending.pause, dt) if pending.lease is not None else dt
     if comm.is_coordinator:
         _log_saved(pending, outcome, pause, dt)
-    if manifest is not None and opts.on_commit is not None:
+    if opts.on_commit is not None:
         try:
-            opts.on_commit(manifest, int(outcome.manifest_summary.get("bytes_new", 0)))
+            opts.on_commit(sid, manifest, int(outcome.manifest_summary.get("bytes_new", 0)))
         except Exception:  # housekeeping must not turn a committed save into a failure
             log.exception("post-commit housekeeping of snapshot %s failed", sid)
     return SaveResult(manifest, outcome, report.bytes_new, dt, pause)
@@ -336,7 +345,11 @@ def _report_and_commit(
 
     def send() -> Any:  # the coordinator's own report stays here: it sends nothing
         return (
-            None if comm.is_coordinator else write_reports.outgoing(storage, sid, comm.rank, report)
+            None
+            if comm.is_coordinator
+            else write_reports.outgoing(
+                storage, sid, comm.rank, report, inline=pending.opts.committer.reports_inline
+            )
         )
 
     def commit_all(messages: list[Any]) -> Outcome:
@@ -405,11 +418,8 @@ def _commit(pending: PendingSave, reports: list[WriteReport]) -> tuple[Manifest 
         manifest = assemble(
             sid, pending.opts, pending.hasher, pending.metas, pending.plan, reports, topology
         )
-        commit.write_commit(
-            pending.storage,
-            manifest,
-            writer={"world_size": comm.world_size},
-            fence=pending.opts.fence,
+        pending.opts.committer.write(
+            pending.storage, manifest, {"world_size": comm.world_size}, pending.opts.fence
         )
     except Exception as e:
         log.exception("commit of snapshot %s failed", sid)

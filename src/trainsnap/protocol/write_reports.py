@@ -144,11 +144,15 @@ def _written(item: Any) -> Written:
 # -- sending and receiving ------------------------------------------------------------------------
 
 
-def outgoing(storage: Storage, snapshot_id: str, rank: int, report: WriteReport) -> Any:
+def outgoing(
+    storage: Storage, snapshot_id: str, rank: int, report: WriteReport, *, inline: bool = False
+) -> Any:
     """Step 1 (a rank other than the coordinator): what it sends the coordinator -- its encoded
-    report, or where it stored it. A report that cannot be stored becomes the rank's error."""
+    report, or where it stored it; always the report itself with ``inline`` (a save whose
+    ranks do not share its storage: a memory tier's node directories). A report that cannot be
+    stored becomes the rank's error."""
     data = encode(report)
-    if report.error is not None or len(data) <= tunables.get().report_inline_max:
+    if inline or report.error is not None or len(data) <= tunables.get().report_inline_max:
         return data
     key = report_key(snapshot_id, rank)
     try:
