@@ -191,3 +191,115 @@ def test_ls_says_which_tiers_hold_each_snapshot(tmp_path):
         line.split()[0]: line.split()[-1] for line in out.splitlines() if line[:5].strip().isdigit()
     }
     assert rows == {"5": "durable", "9": "local", "10": "local+durable", "11": "local"}
+
+
+# -- memory, local and durable tiers composed --------------------------------------------------
+
+COMPOSED_STEPS = range(12)
+"""Steps 0-11: memory every step, local every 2nd (0, 2, ... 10), durable every 5th (0, 5, 10)."""
+
+
+def _composed_state(rank: int, world: int, step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    rows = torch.randn(4, 64, generator=g)
+    return {
+        "shard": ts.Sharded(rows, global_shape=(4 * world, 64), offsets=(4 * rank, 0)),
+        "bias": torch.full((8,), float(step)),
+        "step": step,
+    }
+
+
+def _composed_manager(rank: int, world: int, roots: dict[str, str]) -> ts.CheckpointManager:
+    nodes = [roots["local"] + "/node-0", roots["local"] + "/node-1"][: max(1, world // 2)]
+    return ts.CheckpointManager(
+        roots["durable"],
+        interval=ts.Every(steps=5),
+        local=ts.LocalTier(root=nodes if world > 1 else roots["local"], interval=ts.Every(steps=2)),
+        memory=ts.MemoryTier(root=roots["memory"], interval=ts.Every(steps=1), wait_if_busy=True),
+        options=ts.ManagerOptions(timeout=60, staging_budget=1 << 20),
+    )
+
+
+def _composed_train(rank: int, world: int, roots: dict[str, str]) -> int:
+    """Steps 0-11 through one manager; the staging pool's peak bytes."""
+    mgr = _composed_manager(rank, world, roots)
+    for step in COMPOSED_STEPS:
+        mgr.step(step, _composed_state(rank, world, step))
+    mgr.wait()
+    peak = mgr.saver.pool.peak
+    mgr.close()
+    return peak
+
+
+def _composed_restore(rank: int, world: int, roots: dict[str, str]) -> tuple[int, bool]:
+    """(step restored, whether every value is the one saved at that step)."""
+    mgr = _composed_manager(rank, world, roots)
+    blank = {
+        "shard": ts.Sharded(
+            torch.zeros(4, 64), global_shape=(4 * world, 64), offsets=(4 * rank, 0)
+        ),
+        "bias": torch.zeros(8),
+        "step": None,
+    }
+    info = mgr.restore(blank)
+    mgr.close()
+    assert info is not None
+    want = _composed_state(rank, world, info.step)
+    exact = (
+        torch.equal(blank["shard"].local, want["shard"].local)  # type: ignore[attr-defined]
+        and torch.equal(blank["bias"], want["bias"])  # type: ignore[arg-type]
+        and blank["step"] == info.step
+    )
+    return info.step, exact
+
+
+def _restored_from(durable: str) -> str:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "trainsnap.tools.cli", "history", durable, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(json.loads(out.stdout)["runs"][-1]["restored_from"])
+
+
+def _node_steps(root: Path) -> list[int]:
+    return [c.step for c in commit.list_committed(open_storage(root))] if root.exists() else []
+
+
+def _composed(tmp_path: Path, world: int) -> None:
+    roots = {k: str(tmp_path / k) for k in ("durable", "local", "memory")}
+    env = {r: {"GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2"}
+           for r in range(world)} if world > 1 else {0: {}}  # fmt: skip
+    run = lambda fn: assert_all_ok(  # noqa: E731
+        run_ranks(fn, world, args=(roots,), timeout=240, rank_env=env)
+    )
+    peaks = run(_composed_train)
+    assert all(0 < p <= 1 << 20 for p in peaks), peaks  # one staging budget for every tier
+    (job,) = list(Path(roots["memory"]).iterdir())
+    memory_dirs = sorted(job.iterdir())
+    assert len(memory_dirs) == max(1, world // 2)
+    assert all(_node_steps(d) == [10, 11] for d in memory_dirs)  # MemoryTier(keep=2)
+    local_roots = sorted(Path(roots["local"]).glob("node-*")) or [Path(roots["local"])]
+    assert all(_node_steps(d) == [8, 10] for d in local_roots)  # LocalTier's KeepLast(2)
+    assert _node_steps(Path(roots["durable"])) == [0, 5, 10]  # durable: no retention
+    assert ts.verify(roots["durable"]).ok
+    for removed, step, named in (
+        (None, 11, "memory (own node)"),
+        ("memory", 10, "local disk"),
+        ("local", 10, "durable"),
+    ):
+        if removed is not None:
+            shutil.rmtree(roots[removed])
+        said = run(_composed_restore)
+        assert said == [(step, True)] * world, (removed, said)
+        assert _restored_from(roots["durable"]) == named
+
+
+def test_memory_local_and_durable_tiers_compose_in_one_process(tmp_path):
+    _composed(tmp_path, 1)
+
+
+def test_memory_local_and_durable_tiers_compose_on_two_nodes_of_two(tmp_path):
+    _composed(tmp_path, 4)
