@@ -45,7 +45,7 @@ from trainsnap.format.checksums import Hasher
 from trainsnap.format.encoding import encode
 from trainsnap.format.manifest import Manifest, manifest_key, marker_key
 from trainsnap.format.marker import check_manifest_bytes, decode_marker, encode_marker
-from trainsnap.manager.memory_nodes import Topology, check_writer, shortfall
+from trainsnap.manager.memory_nodes import Topology, shortfall
 from trainsnap.manager.options import MemoryTier
 from trainsnap.protocol import replication
 from trainsnap.protocol.collective import all_reduce
@@ -84,6 +84,8 @@ class NodeDirectories(Protocol):
     def wrote(self, snapshot_id: str, objects: dict[str, int]) -> None: ...
 
     def retain(self) -> None: ...
+
+    def check_writer(self) -> None: ...
 
 
 def rank_objects(report: WriteReport) -> dict[str, int]:
@@ -179,7 +181,7 @@ class ReplicatedCommit:
                     path=str(tier.storage.url),
                 ) from e
             if tier.is_leader:  # a superseded writer fails the vote everywhere
-                check_writer(tier.storage, tier.generation)
+                tier.check_writer()
             return True
 
         def failed(ranks: dict[int, str]) -> TrainsnapError:

@@ -34,6 +34,7 @@ from trainsnap.manager import collection, lease
 from trainsnap.manager.memory_commit import ReplicatedCommit
 from trainsnap.manager.memory_nodes import (
     Topology,
+    check_writer,
     gather_topology,
     job_of,
     node_directory,
@@ -125,7 +126,12 @@ class MemorySaves:
         return self.topology.leader(self.node) == self.comm.rank
 
     def fence(self) -> None:
-        return None  # the writer record is checked before each marker (memory_commit)
+        return None  # the writer record is checked before each marker: check_writer
+
+    def check_writer(self) -> None:
+        """(node leader) ``CommitFailedError`` unless this job's generation still writes this
+        node's directory (asked by the commit before the marker)."""
+        check_writer(self.storage, self.generation)
 
     def release(self) -> None:
         return None
