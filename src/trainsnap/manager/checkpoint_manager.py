@@ -41,15 +41,12 @@ tier (:mod:`trainsnap.manager.restore`). Only snapshots on ``root`` count as dur
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import math
 import os
-import signal
 import statistics
-import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -66,6 +63,7 @@ from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
 from trainsnap.manager.policies import StepInfo, as_retention, as_save_policies
+from trainsnap.manager.preemption import PreemptionSignals
 from trainsnap.manager.promotion import promote
 from trainsnap.manager.quantize import quantize_history
 from trainsnap.manager.schedule import SaveDecision, Schedule
@@ -173,7 +171,6 @@ class CheckpointManager:
         self._gate = SaveGate()
         self._promoting: set[str] = set()
         """Snapshots committed on a faster tier and waiting for promotion: kept by retention."""
-        self._preempt_flag = threading.Event()
         self.preempted = False
         self._closed = False
         self._last_save_step: int | None = None
@@ -187,41 +184,20 @@ class CheckpointManager:
         self.observed_mtbf: float | None = None
         if self.comm.is_coordinator:
             self._start()
-        self._previous_handlers = self._install_signals(options.preemption_signals)
+        self._signals = PreemptionSignals(options.preemption_signals)
 
     # -- start, restore -------------------------------------------------------------------
 
     def _start(self) -> None:
         for tier in self._tiers():
             tier.start()
-        gen = self.generation
-        assert gen is not None
-        evs = lease.events(self.storage)
-        crashed = lease.last_generation_crashed(evs, gen, storage=self.storage)
-        if crashed is not None:
-            lease.record(
-                self.storage,
-                gen,
-                "crash_detected",
-                previous_generation=crashed["generation"],
-                last_event=crashed["kind"],
-                last_time=crashed["time"],
-            )
-            log.warning(
-                "the previous job on %s (generation %s) ended without closing: crash after its "
-                "%r event",
-                self.storage.url,
-                crashed["generation"],
-                crashed["kind"],
-            )
-        lease.record(
+        assert self.generation is not None
+        self.observed_mtbf = lease.record_start(
             self.storage,
-            gen,
-            "start",
+            self.generation,
             interval=repr(self.policies),
             progress_seconds=self.options.progress_seconds,
         )
-        self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
     def _tiers(self) -> list[DiskTier]:
         """The disk tiers (leases, listings), fastest first."""
@@ -231,8 +207,6 @@ class CheckpointManager:
         """(coordinator) One event of the restart log (a no-op elsewhere)."""
         if self.comm.is_coordinator and self.generation is not None:
             lease.record(self.storage, self.generation, kind, **fields)
-
-    _record = record
 
     @property
     def durable_step(self) -> int | None:
@@ -328,9 +302,7 @@ class CheckpointManager:
             step_times=tuple(self._step_times),
             mtbf_observed=self.observed_mtbf,
         )
-        signalled = self._preempt_flag.is_set()
-        self._preempt_flag.clear()
-        decision = self.schedule.decide(info, signalled, self._window(info))
+        decision = self.schedule.decide(info, self._signals.take(), self._window(info))
         if decision is None:
             return False
         if self._skipped(decision):
@@ -592,7 +564,7 @@ class CheckpointManager:
                 self._housekeeper.close()
         finally:
             self._closed = True
-            self._restore_signals()
+            self._signals.restore()
             if self.comm.is_coordinator and self.generation is not None:
                 self.record("close")
                 for tier in self._tiers():
@@ -607,27 +579,3 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("this CheckpointManager is closed")
-
-    # -- preemption signals -------------------------------------------------------------------
-
-    def _install_signals(self, signals: Sequence[int]) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous: dict[int, Any] = {}
-        for sig in signals:
-            previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
-        return previous
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._preempt_flag.set()
-        log.warning("signal %s: saving at the next step", signal.Signals(signum).name)
-        prev = self._previous_handlers.get(signum)
-        if callable(prev):
-            prev(signum, frame)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._previous_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, handler)
-        self._previous_handlers = {}

@@ -230,6 +230,31 @@ def record(storage: Storage, generation: int, kind: str, **fields: Any) -> None:
 _PROGRESS = "progress/gen-"
 
 
+def record_start(storage: Storage, generation: int, **fields: Any) -> float | None:
+    """(coordinator, once the root is taken) The run's ``start`` event (with ``fields``),
+    after a ``crash_detected`` one when the previous generation ended without closing; returns
+    the mean time between failures the log shows (None: too few). Reads the event log twice."""
+    crashed = last_generation_crashed(events(storage), generation, storage=storage)
+    if crashed is not None:
+        record(
+            storage,
+            generation,
+            "crash_detected",
+            previous_generation=crashed["generation"],
+            last_event=crashed["kind"],
+            last_time=crashed["time"],
+        )
+        log.warning(
+            "the previous job on %s (generation %s) ended without closing: crash after its "
+            "%r event",
+            storage.url,
+            crashed["generation"],
+            crashed["kind"],
+        )
+    record(storage, generation, "start", **fields)
+    return observed_mtbf(events(storage))[0]
+
+
 def record_progress(storage: Storage, generation: int, step: int) -> None:
     """Overwrite this generation's progress record: the last step it completed, and when. One
     small object per generation (not per step), so a crashed run's reach is known to within
