@@ -26,7 +26,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from trainsnap.errors import CommitFailedError, TrainsnapError
+from trainsnap.errors import CommitFailedError, RankErrors, TrainsnapError
 from trainsnap.format.manifest import Manifest, manifest_key, marker_key, object_key
 from trainsnap.manager.housekeeping import Housekeeper
 from trainsnap.protocol import commit
@@ -110,7 +110,7 @@ class Promoter:
             self.durable.put(marker_key(sid), json.dumps(doc, separators=(",", ":")).encode())
             return True
 
-        def failed(ranks: dict[int, str]) -> TrainsnapError:
+        def failed(ranks: RankErrors) -> TrainsnapError:
             return CommitFailedError(
                 f"promotion of memory snapshot {sid} to {self.durable.url} failed on "
                 f"{len(ranks)} rank(s); it is not committed there",

@@ -48,7 +48,7 @@ from typing import Any
 
 from trainsnap import faults
 from trainsnap.engine.staging import StagingPool
-from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, RankErrors, TrainsnapError
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.manifest import manifest_key, marker_key, object_key
 from trainsnap.format.marker import check_manifest_bytes, decode_marker
@@ -258,7 +258,7 @@ class MemorySaves:
                 if self.is_leader:  # a superseded writer fails the vote everywhere
                     check_writer(self.storage, self.generation)
 
-            def failed(ranks: dict[int, str]) -> TrainsnapError:
+            def failed(ranks: RankErrors) -> TrainsnapError:
                 return CommitFailedError(
                     f"memory snapshot {sid} was not committed: {len(ranks)} rank(s) failed to "
                     "copy it to their partner nodes; the previous memory snapshot stays the newest",

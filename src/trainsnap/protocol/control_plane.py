@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar, cast
 
 from trainsnap import tunables
-from trainsnap.errors import CommitFailedError, InvalidArgumentError, LoadFailedError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, LoadFailedError, RankErrors
 from trainsnap.protocol.planner import PlanMemory
 from trainsnap.protocol.store_ops import (
     CLIENTS_LOCK,
@@ -39,11 +39,16 @@ log = logging.getLogger(__name__)
 
 class PeerLost(CommitFailedError, LoadFailedError):
     """Ranks did not take part in an exchange in time (dead, hung or partitioned away): the
-    save or the load the exchange was part of failed, so it is either kind."""
+    save or the load the exchange was part of failed, so it is either kind.
 
-    def __init__(self, message: str, ranks: dict[int, str]) -> None:
+    Attributes:
+        ranks: each lost rank and why it counts as lost (``rank_errors``); ``failures`` holds
+            the record of a rank that left the session with an error of its own.
+    """
+
+    def __init__(self, message: str, ranks: RankErrors) -> None:
         super().__init__(message, rank_errors=ranks)
-        self.ranks = ranks
+        self.ranks = self.rank_errors
 
 
 class Comm(Protocol):
@@ -61,6 +66,9 @@ class Comm(Protocol):
 
 
 class Session(Protocol):
+    name: str
+    """What the session is for (``save``, ``load``, ...): the first part of a step's name."""
+
     def gather(self, tag: str, obj: Any) -> list[Any] | None:
         """Every rank's ``obj``, by rank, on the coordinator; ``None`` elsewhere."""
         ...
@@ -100,11 +108,12 @@ class LocalComm:
         self.plans = PlanMemory()  # a process alone plans afresh: nothing to remember
 
     def session(self, name: str) -> LocalSession:
-        return LocalSession()
+        return LocalSession(name)
 
 
 class LocalSession:
-    def __init__(self) -> None:
+    def __init__(self, name: str = "local") -> None:
+        self.name = name
         self._published: dict[tuple[str, str], Any] = {}
 
     def gather(self, tag: str, obj: Any) -> list[Any] | None:
@@ -196,7 +205,7 @@ class StoreComm:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        return StoreSession(self, f"{self.namespace}/{seq}-{name}")
+        return StoreSession(self, f"{self.namespace}/{seq}-{name}", name)
 
     def _client(self, role: str) -> Any:
         """A store client of its own for ``role`` (``wait``: a session's exchanges; ``beat``:
@@ -281,9 +290,10 @@ class StoreSession:
     has been silent for the heartbeat timeout, or the exchange timed out.
     """
 
-    def __init__(self, comm: StoreComm, names: str) -> None:
+    def __init__(self, comm: StoreComm, names: str, name: str = "session") -> None:
         self.c = comm
         self.ns = names
+        self.name = name
         # A client of our own: the session may run on a background thread while the training
         # thread uses the original client.
         self.store = comm._client("wait")
