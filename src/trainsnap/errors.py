@@ -147,8 +147,8 @@ class RankFailure:
         return f"{self.kind}: {self.message}" if self.kind else self.message
 
     def __str__(self) -> str:
-        where = f" failed in {self.where}" if self.where else ""
-        return f"rank {self.rank}{where}: {self.cause}"
+        where = f" (in {self.where})" if self.where else ""
+        return f"rank {self.rank}: {self.cause}{where}"
 
 
 RankErrors = Mapping[int, str | RankFailure]

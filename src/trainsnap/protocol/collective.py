@@ -40,7 +40,9 @@ messages the step sends anyway.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -48,7 +50,16 @@ from trainsnap import errors
 from trainsnap.errors import RankFailure, TrainsnapError
 from trainsnap.protocol.control_plane import Comm, PeerLost, Session
 
-__all__ = ["Failure", "Shared", "all_reduce", "decide", "reduce_scatter", "scatter_shared", "vote"]
+__all__ = [
+    "Failure",
+    "Shared",
+    "all_reduce",
+    "decide",
+    "peer_lost",
+    "reduce_scatter",
+    "scatter_shared",
+    "vote",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -165,6 +176,37 @@ def vote(
     return bool(all_reduce(comm, session, tag, lambda: bool(ok), rule, failed))
 
 
+class _Running(threading.local):
+    """The step whose ``local`` runs on this thread (see :func:`peer_lost`)."""
+
+    session: Session | None = None
+    where: str = ""
+
+
+_running = _Running()
+
+
+@contextmanager
+def _running_step(session: Session, where: str) -> Iterator[None]:
+    outer = (_running.session, _running.where)
+    _running.session, _running.where = session, where
+    try:
+        yield
+    finally:
+        _running.session, _running.where = outer
+
+
+def peer_lost(rank: int, why: str) -> None:
+    """Report ``rank`` lost (``why``: its connection broke) to the step whose ``local`` runs on
+    this thread, if any: the coordinator stops waiting for that rank in the step, so that every
+    rank learns it within seconds rather than after the heartbeat timeout. The transport that
+    saw the connection break calls this (:mod:`trainsnap.protocol.data_group`); the caller then
+    raises its own error, which the step tells the others as usual."""
+    session = _running.session
+    if session is not None:
+        session.peer_lost(RankFailure(rank, "PeerLost", why, _running.where))
+
+
 def _step(
     comm: Comm,
     session: Session,
@@ -180,7 +222,8 @@ def _step(
     part: Any = None
     if local is not None:
         try:
-            part = local()
+            with _running_step(session, where):
+                part = local()
         except BaseException as e:  # told to the others, then raised here as it is
             mine, part = e, RankFailure.of(comm.rank, e, where)
     if local is None:
@@ -189,6 +232,7 @@ def _step(
         try:
             parts = session.gather(tag, part)
         except PeerLost as e:
+            session.failed = True
             if comm.is_coordinator:  # the others learn who was lost, not that the coordinator left
                 lost = {r: _lost(r, e, where) for r in e.ranks}
                 _send(session, tag, _Failed(lost), comm.world_size, scatter)
@@ -208,7 +252,13 @@ def _step(
             except BaseException as e:  # told to the others, then raised here as it is
                 reduce_error = e
                 decision = _Failed({comm.rank: RankFailure.of(comm.rank, e, where)}, True)
-    outcome = _send(session, tag, decision, comm.world_size, scatter)
+    try:
+        outcome = _send(session, tag, decision, comm.world_size, scatter)
+    except PeerLost:
+        session.failed = True
+        raise
+    if isinstance(outcome, _Failed) or mine is not None:
+        session.failed = True  # every rank learns it: nobody waits for another in the session
     if mine is not None:
         raise mine
     if reduce_error is not None:
