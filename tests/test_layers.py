@@ -7,6 +7,7 @@ dependency, and the usual way a cycle hides. The layers, lowest first (docs/ARCH
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,44 @@ def test_every_package_is_in_a_layer() -> None:
     modules = {p.stem for p in PACKAGE.glob("*.py")}
     placed = {name for rooms in LAYERS for room in rooms for name in room}
     assert packages | modules <= placed, sorted((packages | modules) - placed)
+
+
+# -- one door between ranks -------------------------------------------------------------------
+
+AGREEMENT = {"protocol/control_plane.py", "protocol/collective.py"}
+"""The control plane and the agreement primitive: the only modules that exchange over a session."""
+RAW_EXCHANGES_LEFT: set[str] = set()  # modules being moved onto the primitive: never grow it
+RAW_EXCHANGE = re.compile(r"\bsession\.(gather|broadcast|scatter|publish)\(")
+
+
+def raw_exchanges(root: Path) -> dict[str, list[int]]:
+    """Module (path under ``root``) -> the lines that call a session's exchanges directly."""
+    found: dict[str, list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        lines = path.read_text().splitlines()
+        hits = [n for n, line in enumerate(lines, 1) if RAW_EXCHANGE.search(line)]
+        if hits and name not in AGREEMENT:
+            found[name] = hits
+    return found
+
+
+def test_every_cross_rank_step_goes_through_the_agreement_primitive() -> None:
+    """A step that gathers or broadcasts by hand forgets what the primitive does for every step:
+    capture any exception on every rank and tell the others which rank failed and why
+    (trainsnap.protocol.collective)."""
+    found = raw_exchanges(PACKAGE)
+    outside = {name: lines for name, lines in found.items() if name not in RAW_EXCHANGES_LEFT}
+    assert outside == {}, (
+        f"use trainsnap.protocol.collective instead of raw session calls: {outside}"
+    )
+    done = sorted(RAW_EXCHANGES_LEFT - set(found))
+    assert done == [], f"no raw session call left in {done}: remove them from RAW_EXCHANGES_LEFT"
+
+
+def test_the_raw_exchange_check_finds_a_hand_written_step(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"api/vote.py": "votes = session.gather('vote', ok)\n"})
+    assert raw_exchanges(root) == {"api/vote.py": [1]}
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:

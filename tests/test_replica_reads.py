@@ -110,12 +110,12 @@ def test_replicas_read_each_stored_byte_about_once(tmp_path: Any, layout: str, m
 def _data_groups(rank: int, world: int) -> tuple[bool, bool, bool, list[int]]:
     import torch.distributed as dist
 
-    from trainsnap.protocol import replica_reads
+    from trainsnap.protocol import data_group, replica_reads
 
     first = replica_reads.data_group()
-    again = replica_reads.data_group()
-    owned = replica_reads.job().data_group() is first
-    replica_reads.forget_group()  # as after a failed exchange
+    again = data_group.group()
+    owned = data_group.job().data_group() is first
+    data_group.forget()  # as after a failed exchange
     fresh = replica_reads.data_group()
     ranks = torch.tensor([rank])
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]

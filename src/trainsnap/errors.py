@@ -9,6 +9,7 @@ its message says what failed, the likely cause and the fix.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 MAX_LISTED = 20
 """Items an error message spells out (problems, keys, snapshot ids); the rest are counted."""
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidArgumentError",
     "LoadFailedError",
     "NotFoundError",
+    "RankFailure",
     "TrainsnapError",
 ]
 
@@ -106,18 +108,66 @@ class IncompatibleError(TrainsnapError):
     needs an explicit opt-in."""
 
 
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """One rank's failure in a step of several ranks, as every rank learns it: a record, not a
+    sentence, so that a rank can tell a lost peer from a corrupt object without parsing.
+
+    Attributes:
+        rank: the rank that failed.
+        kind: the class name of its error (``OSError``, ``CorruptError``, ``PeerLost``, ...);
+            empty for a cause known only as a sentence.
+        message: the error's message (for an error that is not a :class:`TrainsnapError`,
+            with the file and line it was raised at).
+        where: the step it failed in (``session/tag``, e.g. ``save/report``); empty when not
+            known.
+    """
+
+    rank: int
+    kind: str
+    message: str
+    where: str = ""
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException, where: str = "") -> RankFailure:
+        """The record of ``error`` raised on ``rank`` in step ``where``."""
+        message = str(error)
+        if not isinstance(error, TrainsnapError):
+            tb = error.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            if tb is not None:
+                name = tb.tb_frame.f_code.co_filename.rsplit("/", 1)[-1]
+                message = f"{message} (at {name}:{tb.tb_lineno})"
+        return cls(rank, type(error).__name__, message, where)
+
+    @property
+    def cause(self) -> str:
+        """``kind: message`` (the message alone when the kind is not known)."""
+        return f"{self.kind}: {self.message}" if self.kind else self.message
+
+    def __str__(self) -> str:
+        where = f" (in {self.where})" if self.where else ""
+        return f"rank {self.rank}: {self.cause}{where}"
+
+
+RankErrors = Mapping[int, str | RankFailure]
+"""Each failing rank and its cause: a :class:`RankFailure`, or a sentence."""
+
+
 class _RankErrors(TrainsnapError):
     """A step of several ranks that failed: each failing rank and its cause.
 
     Attributes:
-        rank_errors: each failing rank and its cause (one line each in ``problems`` too).
+        failures: each failing rank's :class:`RankFailure` (one line each in ``problems`` too).
+        rank_errors: each failing rank's cause as a sentence (``kind: message``).
     """
 
     def __init__(
         self,
         message: str,
         *,
-        rank_errors: Mapping[int, str] | None = None,
+        rank_errors: RankErrors | None = None,
         snapshot_id: str | None = None,
         key: str | None = None,
         path: str | None = None,
@@ -125,8 +175,11 @@ class _RankErrors(TrainsnapError):
         problems: Sequence[str] = (),
         see_all: str = "",
     ) -> None:
-        errs = dict(rank_errors or {})
-        lines = list(problems) or [f"rank {r}: {e}" for r, e in sorted(errs.items())]
+        failures = {
+            r: e if isinstance(e, RankFailure) else RankFailure(r, "", str(e))
+            for r, e in (rank_errors or {}).items()
+        }
+        lines = list(problems) or [str(f) for _, f in sorted(failures.items())]
         super().__init__(
             message,
             snapshot_id=snapshot_id,
@@ -136,7 +189,8 @@ class _RankErrors(TrainsnapError):
             problems=lines,
             see_all=see_all,
         )
-        self.rank_errors = errs
+        self.failures = failures
+        self.rank_errors = {r: f.cause for r, f in failures.items()}
 
 
 class CommitFailedError(_RankErrors):

@@ -20,11 +20,13 @@ from trainsnap.errors import (
     InvalidArgumentError,
     LoadFailedError,
     NotFoundError,
+    RankErrors,
     TrainsnapError,
 )
 from trainsnap.format.manifest import check_level
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
+from trainsnap.protocol.collective import decide, vote
 from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
 from trainsnap.protocol.load_protocol import run_load
 from trainsnap.protocol.rank_load import fill
@@ -136,11 +138,11 @@ def load(
     storage = open_storage(root, **dict(storage_options or {}))
     comm = comm_for(coordinator, timeout)
     candidates = [snapshot] if snapshot != "latest" else _newest_first(storage, comm)
-    first: TrainsnapError | None = None
+    first: Exception | None = None
     for i, sid in enumerate(candidates):
         try:
             return _load_one(state, storage, sid, comm, level, allow_downgrade, allow_pickle)
-        except TrainsnapError as e:
+        except Exception as e:  # every rank votes, whatever failed on it
             if snapshot != "latest" or not agree_damage(comm, e):
                 raise
             if i == len(candidates) - 1:
@@ -176,34 +178,45 @@ def _lost_a_rank(error: BaseException | None) -> bool:
     return False
 
 
-def agree_damage(comm: Comm, error: TrainsnapError) -> bool:
+def agree_damage(comm: Comm, error: BaseException) -> bool:
     """Whether every rank's load failure is damage to the snapshot (corrupt or incomplete
     data, another rank's failure), decided alike on every rank: only then may a load fall back
-    to an older snapshot. One gather and one broadcast; no vote when this rank saw a rank lost
-    (the vote would wait for it in vain), and a vote that fails decides no fallback, so the
-    load's own error is what every rank raises."""
-    if comm.world_size > 1 and _lost_a_rank(error):
+    to an older snapshot. One vote (:func:`~trainsnap.protocol.collective.vote`); no vote when
+    this rank saw a rank lost (the vote would wait for it in vain), and a vote that fails
+    decides no fallback, so the load's own error is what every rank raises."""
+    if _lost_a_rank(error):
         return False
+    damage = isinstance(error, TrainsnapError) and is_damage(error)
     session = comm.session("fallback")
     try:
-        votes = session.gather("vote", is_damage(error))
-        verdict = None if votes is None else all(votes)
-        return bool(session.broadcast("verdict", verdict))
+        return vote(comm, session, "damage", damage, _no_verdict)
     except TrainsnapError:
         return False
     finally:
         session.close()
 
 
+def _no_verdict(ranks: RankErrors) -> TrainsnapError:
+    return LoadFailedError("the ranks could not agree whether to fall back", rank_errors=ranks)
+
+
 def _newest_first(storage: Storage, comm: Comm) -> list[str]:
     """(coordinator, shared) the committed snapshots' ids, newest first; NotFoundError when
     none."""
+
+    def newest_first() -> list[str]:
+        return [c.snapshot_id for c in reversed(commit.list_committed(storage))]
+
+    def not_listed(ranks: RankErrors) -> TrainsnapError:
+        return LoadFailedError(
+            f"the coordinator could not list the snapshots of {storage.url}",
+            path=storage.url,
+            rank_errors=ranks,
+        )
+
     session = comm.session("latest")
     try:
-        found = None
-        if comm.is_coordinator:
-            found = [c.snapshot_id for c in reversed(commit.list_committed(storage))]
-        ids: list[str] = list(session.broadcast("candidates", found))
+        ids = decide(comm, session, "candidates", newest_first, not_listed)
     finally:
         session.close()
     if not ids:

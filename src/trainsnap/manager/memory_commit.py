@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainsnap import faults
-from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, RankErrors, TrainsnapError
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.encoding import encode
 from trainsnap.format.manifest import Manifest, manifest_key, marker_key
@@ -184,7 +184,7 @@ class ReplicatedCommit:
                 tier.check_writer()
             return True
 
-        def failed(ranks: dict[int, str]) -> TrainsnapError:
+        def failed(ranks: RankErrors) -> TrainsnapError:
             return CommitFailedError(
                 f"memory snapshot {sid} was not committed: {len(ranks)} rank(s) failed to "
                 "copy it to their partner nodes; the previous memory snapshot stays the newest",
@@ -226,12 +226,12 @@ class ReplicatedCommit:
         comm: Any,
         tag: str,
         local: Callable[[], bool],
-        failed: Callable[[dict[int, str]], TrainsnapError] | None,
+        failed: Callable[[RankErrors], TrainsnapError] | None,
     ) -> bool:
         """(all ranks) Whether ``local()`` was true on every rank; a rank whose ``local``
         raised fails the step everywhere with ``failed`` (or counts as a no without it)."""
 
-        def lost(ranks: dict[int, str]) -> TrainsnapError:
+        def lost(ranks: RankErrors) -> TrainsnapError:
             return CommitFailedError(
                 f"memory commit: {len(ranks)} rank(s) failed", rank_errors=ranks
             )

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainsnap.errors import CommitFailedError, InvalidArgumentError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, RankErrors, TrainsnapError
 from trainsnap.protocol import commit
+from trainsnap.protocol.collective import all_reduce
 from trainsnap.protocol.control_plane import Comm
 from trainsnap.storage.base import Storage
 
@@ -159,13 +160,19 @@ def gather_topology(
     """(all ranks, at the same point) every rank's node and local rank; the coordinator's
     writer generation. One gather and one broadcast on the control plane."""
     mine = (node, local_rank())
+
+    def decided(said: list[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        return [n for n, _ in said], [lr for _, lr in said], generation or 0
+
+    def failed(ranks: RankErrors) -> TrainsnapError:
+        return CommitFailedError(
+            f"the memory tier's topology could not be learned: {len(ranks)} rank(s) failed",
+            rank_errors=ranks,
+        )
+
     session = comm.session("memory-topology")
     try:
-        said = session.gather("where", mine)
-        decided = None
-        if said is not None:
-            decided = ([n for n, _ in said], [lr for _, lr in said], generation or 0)
-        nodes, locals_, gen = session.broadcast("topology", decided)
+        nodes, locals_, gen = all_reduce(comm, session, "where", lambda: mine, decided, failed)
     finally:
         session.close()
     doms = tuple(domains) if domains is not None else None

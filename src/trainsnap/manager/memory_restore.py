@@ -27,17 +27,18 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainsnap.api.snapshots import is_damage, load
-from trainsnap.errors import CorruptError, TrainsnapError
+from trainsnap.errors import CorruptError, LoadFailedError, RankErrors, TrainsnapError
 from trainsnap.format.encoding import decode
 from trainsnap.format.manifest import Manifest, marker_key, object_key
 from trainsnap.format.manifest_part import PartIndex
 from trainsnap.format.marker import check_manifest_bytes, decode_marker
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.protocol import commit, replication
+from trainsnap.protocol.collective import Failure, all_reduce, reduce_scatter
 from trainsnap.protocol.load_protocol import state_wants
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.storage.base import Storage, read_steps, read_uncached
@@ -111,29 +112,39 @@ def _ensure_manifest(mem: MemorySaves, sid: str) -> tuple[Manifest, bytes | None
         have = True
     except TrainsnapError:
         have = False
+    lost = _lost("memory-manifest", sid)
+
+    def plan(said: list[bool]) -> tuple[int | None, list[int]]:
+        holders = [r for r, h in enumerate(said) if h]
+        return (holders[0] if holders else None), [r for r, h in enumerate(said) if not h]
+
+    def send(parts: list[Any]) -> list[Any]:
+        (packed,) = [p for p in parts if p is not None]
+        return [None if r not in lacking else packed for r in range(len(parts))]
+
     session = comm.session("memory-manifest")
     try:
-        said = session.gather("have", have)
-        plan = None
-        if said is not None:
-            holders = [r for r, h in enumerate(said) if h]
-            lacking = [r for r, h in enumerate(said) if not h]
-            plan = (holders[0] if holders else None, len(lacking))
-        source, readers = session.broadcast("source", plan)
+        source, lacking = all_reduce(comm, session, "have", lambda: have, plan, lost)
         if source is None:
             raise CorruptError(
                 f"memory snapshot {sid}: no node holds its manifest any more",
                 snapshot_id=sid,
             )
-        if rank == source:
-            marker = mem.storage.get(marker_key(sid))
-            data = mem.storage.get(commit.committed_marker(mem.storage, sid).manifest_key)
-            session.publish("manifest", sid, (marker, data), readers)
-        if have:
-            return commit.open_snapshot(mem.storage, sid), None
-        marker, data = session.fetch("manifest", sid)
+        if lacking:  # (marker, manifest) bytes from the first holder to the ranks lacking them
+
+            def mine() -> tuple[bytes, bytes] | None:
+                if rank != source:
+                    return None
+                marker = mem.storage.get(marker_key(sid))
+                data = mem.storage.get(commit.committed_marker(mem.storage, sid).manifest_key)
+                return marker, data
+
+            got = reduce_scatter(comm, session, "manifest", mine, send, lost)
     finally:
         session.close()
+    if have:
+        return commit.open_snapshot(mem.storage, sid), None
+    marker, data = got
     parsed = decode_marker(marker, sid)
     check_manifest_bytes(parsed, data)
     if mem.is_leader:
@@ -162,27 +173,34 @@ def _fetch(mem: MemorySaves, manifest: Manifest, needed: Mapping[str, int]) -> i
     sizes = dict(zip(manifest.object_names, manifest.stored().tolist(), strict=True))
     bad: set[tuple[str, int]] = set()
     received = 0
+    lost = _lost("memory-fetch", manifest.snapshot_id)
+
+    def union_of(said: list[list[str]]) -> list[str]:
+        asked.append(said)
+        return sorted({n for m in said for n in m})
+
+    def planned(holdings: list[list[str] | None]) -> Any:
+        return _plan(topology, asked[-1], holdings, sizes, bad)
+
+    def noted(failures: list[list[tuple[str, int]]]) -> None:
+        bad.update((str(name), int(node)) for fs in failures for name, node in fs)
+
+    asked: list[list[list[str]]] = []
     for _ in range(1 + topology.copies):
         missing = sorted(n for n, z in needed.items() if not mem.has(n, z))
         session = comm.session("memory-fetch")
         try:
-            said = session.gather("missing", missing)
-            union = None if said is None else sorted({n for m in said for n in m})
-            union = session.broadcast("union", union)
+            union = all_reduce(comm, session, "missing", _given(missing), union_of, lost)
             if not union:
                 return received
             held = [n for n in union if mem.has(n, sizes[n])] if mem.is_leader else None
-            holdings = session.gather("held", held)
-            plan = None
-            if said is not None and holdings is not None:
-                plan = _plan(topology, said, holdings, sizes, bad)
-            transfers, lost, drop = session.broadcast("plan", plan)
-            if lost:
+            transfers, gone, drop = all_reduce(comm, session, "held", _given(held), planned, lost)
+            if gone:
                 raise CorruptError(
                     f"memory snapshot {manifest.snapshot_id}: no node holds a good copy of "
-                    f"{len(lost)} object(s) it needs (e.g. {lost[0]})",
+                    f"{len(gone)} object(s) it needs (e.g. {gone[0]})",
                     snapshot_id=manifest.snapshot_id,
-                    path=object_key(lost[0]),
+                    path=object_key(gone[0]),
                 )
             for name, node in drop:
                 if node == mem.node and mem.is_leader:
@@ -194,10 +212,7 @@ def _fetch(mem: MemorySaves, manifest: Manifest, needed: Mapping[str, int]) -> i
             )
             received += nbytes
             mine = [(t.name, topology.nodes[t.source]) for t in failed]
-            failures = session.gather("failed", mine)
-            if failures is not None:
-                bad |= {(str(name), int(node)) for fs in failures for name, node in fs}
-            session.broadcast("round", None)
+            all_reduce(comm, session, "failed", _given(mine), noted, lost)
         finally:
             session.close()
     raise CorruptError(
@@ -281,17 +296,35 @@ def _drop_damaged(
 
 def _agree_retry(mem: MemorySaves, error: TrainsnapError, dropped: list[str], more: bool) -> bool:
     """(all ranks) retry when every rank's failure is damage and some rank dropped a copy."""
+
+    def verdict(votes: list[tuple[bool, bool]]) -> bool:
+        return more and all(d for d, _ in votes) and any(x for _, x in votes)
+
     session = mem.comm.session("memory-retry")
     try:
-        votes = session.gather("vote", (is_damage(error), bool(dropped)))
-        verdict = None
-        if votes is not None:
-            verdict = more and all(d for d, _ in votes) and any(x for _, x in votes)
-        return bool(session.broadcast("verdict", verdict))
+        mine = (is_damage(error), bool(dropped))
+        lost = _lost("memory-retry", mem.newest or "")
+        return bool(all_reduce(mem.comm, session, "vote", lambda: mine, verdict, lost))
     except TrainsnapError:
         return False
     finally:
         session.close()
+
+
+def _given(value: Any) -> Callable[[], Any]:
+    """A rank's part of a step, fixed now (the step's local function)."""
+    return lambda: value
+
+
+def _lost(step: str, sid: str) -> Failure:
+    def failed(ranks: RankErrors) -> TrainsnapError:
+        return LoadFailedError(
+            f"restoring memory snapshot {sid} failed in {step} on {len(ranks)} rank(s)",
+            snapshot_id=sid,
+            rank_errors=ranks,
+        )
+
+    return failed
 
 
 class _Counted:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainsnap import faults
-from trainsnap.errors import CommitFailedError, TrainsnapError
+from trainsnap.errors import CommitFailedError, RankErrors, TrainsnapError
 from trainsnap.format.manifest import manifest_key, marker_key, object_key
 from trainsnap.format.marker import with_writer
 from trainsnap.protocol import commit
@@ -68,7 +68,7 @@ def promote(
         _commit(src, dst, snapshot_id, writer, fence)
         return True
 
-    def failed(ranks: dict[int, str]) -> TrainsnapError:
+    def failed(ranks: RankErrors) -> TrainsnapError:
         return CommitFailedError(
             f"promotion of snapshot {snapshot_id} to {dst.url} failed on {len(ranks)} rank(s); "
             "it is not committed there",

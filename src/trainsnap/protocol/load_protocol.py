@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from trainsnap import trace
 from trainsnap.engine.reader import Reader
-from trainsnap.errors import LoadFailedError, TrainsnapError
+from trainsnap.errors import LoadFailedError, RankErrors, TrainsnapError
 from trainsnap.format.manifest import Manifest, keys_summary
 from trainsnap.format.manifest_part import Wants
 from trainsnap.format.values import PickleKeys
@@ -80,7 +80,7 @@ def _resolved(storage: Storage, snapshot: str, _parts: list[None]) -> str:
     return commit.resolve(storage, snapshot)
 
 
-def _lost_coordinator(ranks: dict[int, str]) -> TrainsnapError:
+def _lost_coordinator(ranks: RankErrors) -> TrainsnapError:
     return LoadFailedError("the coordinator could not resolve the snapshot", rank_errors=ranks)
 
 
@@ -260,7 +260,7 @@ def _load(
                     replica_reads.tell(replicas, e)
             raise
 
-    def failure(ranks: dict[int, str]) -> TrainsnapError:
+    def failure(ranks: RankErrors) -> TrainsnapError:
         return LoadFailedError(
             f"loading snapshot {sid} failed on {len(ranks)} rank(s); the state of every rank "
             "is unusable until a load succeeds",

@@ -22,8 +22,10 @@ never touches. Instead, on a load of more than one rank:
    own pieces, not the world's, and the coordinator's work is one cut per distinct set of ranks
    plus one small one per rank.
 
-A failure on the coordinator at any step is sent in the decision the ranks wait for, so no rank
-waits for an exchange that will not come; a rank that dies is named by the heartbeat.
+Steps 1-2 and 3-5 are two steps of :mod:`trainsnap.protocol.collective`: a failure on any rank
+(its state's wants, the coordinator's reading of the snapshot) reaches every rank in the decision
+it waits for, so no rank waits for an exchange that will not come; a rank that dies is named by
+the control plane.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ import hashlib
 import pickle
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from functools import partial
+from typing import NamedTuple
 
 from trainsnap import tunables
-from trainsnap.errors import TrainsnapError
+from trainsnap.errors import LoadFailedError, RankErrors, TrainsnapError
 from trainsnap.format import tree
 from trainsnap.format.manifest import Manifest
 from trainsnap.format.manifest_part import PartIndex, Wants, merge, tree_order
 from trainsnap.format.regions import Box, Region
 from trainsnap.protocol import commit, replica_reads
+from trainsnap.protocol.collective import Shared, reduce_scatter, scatter_shared
 from trainsnap.protocol.control_plane import Comm, Session
-from trainsnap.protocol.outcome import decided, told
 from trainsnap.protocol.replica_reads import Sharing
 from trainsnap.state.template import Node, failed, root_mapping, tensor_nodes
 from trainsnap.storage.base import Storage
@@ -106,34 +109,55 @@ def manifest_for(
     in a world of more than one; the whole manifest in a world of one); with which ranks it
     shares the reads of which top-level keys; and whether any ranks share reads in this load
     (the same on every rank: when it is true, every rank takes part in making the data group,
-    :func:`replica_reads.data_group`)."""
+    :func:`replica_reads.data_group`). Raises on every rank what failed on any (the
+    coordinator's kind of error where opening the snapshot failed there)."""
     if comm.world_size == 1:
         return commit.open_snapshot(storage, snapshot_id), [], False
-    wants = wanted()
-    classes = [] if wants is None else classes_of(wants)
-    digests = None if wants is None else [digest_of(c) for c in classes]
-    error: TrainsnapError | None = None
-    plan: _Plan | None = None
-    try:
-        said = session.gather("wants-digest", (digests, socket.gethostname()))
-        if said is not None:
-            plan = _Plan(said)
-    except TrainsnapError as e:
-        error = _only_on_coordinator(e, comm)
-    speaks = _scatter(session, "wants-from", comm, error, None if plan is None else plan.speakers)
-    sent: list[list[Any]] | None = None
-    try:
-        spoken = [(digests[i], classes[i]) for i in speaks] if digests is not None else []
-        heard = session.gather("wants", spoken or None)
-        if heard is not None and plan is not None:
-            local = "://" not in storage.url
-            sent = plan.publish(storage, snapshot_id, heard, comm, session, local)
-    except TrainsnapError as e:
-        error = _only_on_coordinator(e, comm)
-    own, sharing, share, shared, names = _scatter(session, "manifest-parts", comm, error, sent)
-    if shared is None:  # not the coordinator: fetch what it published
-        shared = [session.fetch("manifest-part", name) for name in names]
-    return merge(shared if own is None else [*shared, own]), sharing, share
+    classes: list[tuple[str, Wants]] | None = None  # (digest, wants) of each of this rank's
+    plans: list[_Plan] = []  # the coordinator's, made in step 2
+
+    def digests() -> tuple[list[str] | None, str]:  # step 1
+        nonlocal classes
+        wants = wanted()
+        classes = None if wants is None else [(digest_of(c), c) for c in classes_of(wants)]
+        return None if classes is None else [d for d, _ in classes], socket.gethostname()
+
+    def speakers(said: list[tuple[list[str] | None, str]]) -> list[list[int]]:  # step 2
+        plans.append(_Plan(said))
+        return plans[0].speakers
+
+    failed = partial(_not_opened, snapshot_id)
+    speaks = reduce_scatter(comm, session, "wants-digest", digests, speakers, failed)
+
+    def spoken() -> list[tuple[str, Wants]] | None:  # step 3
+        if classes is None:
+            return None
+        return [classes[i] for i in speaks] or None
+
+    def parts(heard: list[list[tuple[str, Wants]] | None]) -> Shared[_Part]:  # step 4
+        return plans[0].publish(storage, snapshot_id, heard, comm, "://" not in storage.url)
+
+    mine, shared = scatter_shared(comm, session, "wants", spoken, parts, failed)
+    parts_read = shared if mine.own is None else [*shared, mine.own]
+    return merge(parts_read), mine.sharing, mine.share
+
+
+def _not_opened(snapshot_id: str, ranks: RankErrors) -> TrainsnapError:
+    return LoadFailedError(
+        f"opening snapshot {snapshot_id} for the load failed on {len(ranks)} rank(s); nothing "
+        "was read",
+        snapshot_id=snapshot_id,
+        rank_errors=ranks,
+    )
+
+
+class _Part(NamedTuple):
+    """What a rank is sent besides the shared parts it reads: its own part of the manifest
+    (None: it reads the whole), with whom it shares reads, whether any rank does."""
+
+    own: Manifest | None
+    sharing: Sharing
+    share: bool
 
 
 def _joined(classes: list[Wants]) -> Wants:
@@ -142,23 +166,6 @@ def _joined(classes: list[Wants]) -> Wants:
         return classes[0]
     regions = {key: r for wants in classes for key, r in wants.regions.items()}
     return Wants(tuple(top for wants in classes for top in wants.tops), regions)
-
-
-def _scatter(
-    session: Session, tag: str, comm: Comm, error: TrainsnapError | None, objs: list[Any] | None
-) -> Any:
-    """(all ranks) This rank's part of the coordinator's ``objs``, or its failure raised."""
-    if comm.is_coordinator:
-        assert objs is not None or error is not None
-        objs = [told(None, error)] * comm.world_size if error is not None else objs
-    return decided(session.scatter(tag, objs), error, comm.coordinator)
-
-
-def _only_on_coordinator(error: TrainsnapError, comm: Comm) -> TrainsnapError:
-    """A coordinator's failure is sent to the others; any other rank's is raised."""
-    if not comm.is_coordinator:
-        raise error
-    return error
 
 
 class _Plan:
@@ -181,38 +188,35 @@ class _Plan:
         self,
         storage: Storage,
         snapshot_id: str,
-        heard: list[Any],
+        heard: list[list[tuple[str, Wants]] | None],
         comm: Comm,
-        session: Session,
         local: bool,
-    ) -> list[list[Any]]:
-        """Read the manifest, publish each bundle's part (:meth:`_bundles`); return what each
-        rank is sent: its own part, its sharing, whether any rank shares, (the coordinator's)
-        shared parts, and the names of the parts it is to fetch."""
+    ) -> Shared[_Part]:
+        """Read the manifest, cut each bundle's part (:meth:`_bundles`, published once by the
+        collective); what each rank is sent: its own part, its sharing, whether any rank shares,
+        and the names of the bundles' parts it reads."""
         manifest = commit.open_snapshot(storage, snapshot_id)
         index = PartIndex(manifest)
         wants = {digest: w for said in heard for digest, w in (said or ())}
         position = {top: i for i, top in enumerate(tree_order(manifest.tree))}
-        coordinator: dict[str, Manifest] = {}
+        objects: dict[str, Manifest] = {}
         bundle_of: dict[str, str] = {}
         for bundle in self._bundles(wants, position):
-            name, ranks = bundle[0], self.members[bundle[0]]
-            part = manifest if name == WHOLE else index.shared(_joined([wants[d] for d in bundle]))
-            session.publish("manifest-part", name, part, sum(r != comm.rank for r in ranks))
-            if comm.rank in ranks:
-                coordinator[name] = part
+            name = bundle[0]
+            objects[name] = (
+                manifest if name == WHOLE else index.shared(_joined([wants[d] for d in bundle]))
+            )
             bundle_of.update(dict.fromkeys(bundle, name))
         mode = replica_reads.mode(comm.world_size)
         sharing = [self._sharing(rank, wants, mode, local) for rank in range(len(self.digests))]
         share = any(sharing)
-        out = []
+        results, reads = [], []
         for rank, digests in enumerate(self.digests):
             own = None if digests is None else index.own([wants[d] for d in digests], rank)
             classes = [WHOLE] if digests is None else digests
-            names = list(dict.fromkeys(bundle_of[d] for d in classes))
-            mine = [coordinator[name] for name in names] if rank == comm.rank else None
-            out.append([own, sharing[rank], share, mine, names])
-        return out
+            results.append(_Part(own, sharing[rank], share))
+            reads.append(list(dict.fromkeys(bundle_of[d] for d in classes)))
+        return Shared(results, objects, reads)
 
     def _bundles(self, wants: Mapping[str, Wants], position: Mapping[str, int]) -> list[list[str]]:
         """The classes bundled by their ranks: one part is published and fetched per distinct

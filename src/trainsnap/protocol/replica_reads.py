@@ -36,7 +36,7 @@ import torch
 
 from trainsnap import faults, tunables
 from trainsnap.errors import LoadFailedError
-from trainsnap.protocol.store_ops import Job, job_of
+from trainsnap.protocol import data_group as transport
 
 log = logging.getLogger(__name__)
 
@@ -93,27 +93,10 @@ def mode(world_size: int) -> int:
     return min(int(wanted), 2)
 
 
-def job() -> Job:
-    """This process's :class:`~trainsnap.protocol.store_ops.Job` of the default process
-    group's store: it owns the checkpoint-data group."""
-    import torch.distributed as dist
-
-    return job_of(dist.distributed_c10d._get_default_store())
-
-
 def data_group() -> Any:
-    """The gloo group for checkpoint data, owned by the job (:meth:`Job.data_group
-    <trainsnap.protocol.store_ops.Job.data_group>`); every rank must call this at the same point
-    (it is collective the first time)."""
-    return job().data_group()
-
-
-def forget_group() -> None:
-    """Drop the group after a failed exchange: a member may be gone."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        job().forget_data_group()
+    """The checkpoint-data group (:func:`trainsnap.protocol.data_group.group`); every rank must
+    call this at the same point (it is collective the first time)."""
+    return transport.group()
 
 
 Place = tuple[str, int, str, int]
@@ -177,16 +160,14 @@ def start(group: Replicas, failure: BaseException | None) -> None:
 def tell(group: Replicas, failure: BaseException | None) -> dict[int, str]:
     """Tell the other members whether this member planned its reads; the members that say
     they could not."""
-    import torch.distributed as dist
-
     group.told = True
     peers = group.peers
     status = {m: torch.zeros(1, dtype=torch.uint8) for m in peers}
     mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8)
     pg = group.process_group
-    ops = [(m, dist.isend(mine, m, group=pg)) for m in peers]
-    ops += [(m, dist.irecv(status[m], m, group=pg)) for m in peers]
-    _wait(ops, "the read plans")
+    posted = [transport.send(mine, m, pg) for m in peers]
+    posted += [transport.receive(status[m], m, pg) for m in peers]
+    transport.wait(posted, "the replicas' read plans", LoadFailedError)
     return {m: "could not plan its share of the replicas' reads" for m in peers if status[m]}
 
 
@@ -206,11 +187,9 @@ class Exchange:
     raise naming it)."""
 
     def __init__(self, group: Replicas, held: Held, owner: dict[str, int]) -> None:
-        import torch.distributed as dist
-
         self.group = group
         self._peers_of: dict[str, list[int]] = {}
-        self._ops: list[tuple[int, Any]] = []
+        self._posted: list[transport.Posted] = []
         self._receivers: set[int] = set()
         self._tensors: dict[str, torch.Tensor] = {}
         senders: set[int] = set()
@@ -225,33 +204,27 @@ class Exchange:
                 self._receivers.update(peers)
             else:
                 senders.add(owner[key])
-                self._post(dist.irecv, data, owner[key])
+                self._posted.append(transport.receive(data, owner[key], group.process_group))
         self._status = {m: torch.ones(1, dtype=torch.uint8) for m in sorted(senders)}
         for m, status in self._status.items():
-            self._post(dist.irecv, status, m)
+            self._posted.append(transport.receive(status, m, group.process_group))
         faults.point("replica_exchange")
-
-    def _post(self, op: Any, tensor: torch.Tensor, peer: int) -> None:
-        self._ops.append((peer, op(tensor, peer, group=self.group.process_group)))
 
     def send(self, keys: list[str]) -> None:
         """Send the tensors of this member's share among ``keys`` (given in stored order: read
         and verified, or not, see above); the others are not shared."""
-        import torch.distributed as dist
-
+        pg = self.group.process_group
         for key in keys:
             for peer in self._peers_of.get(key, ()):
-                self._post(dist.isend, self._tensors[key], peer)
+                self._posted.append(transport.send(self._tensors[key], peer, pg))
 
     def finish(self, failure: BaseException | None) -> None:
         """Send this member's status, wait for every transfer; raise ``failure``, or name the
         members whose reads failed."""
-        import torch.distributed as dist
-
         mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8)
-        for peer in sorted(self._receivers):
-            self._post(dist.isend, mine, peer)
-        _wait(self._ops, "tensor data")
+        pg = self.group.process_group
+        self._posted += [transport.send(mine, peer, pg) for peer in sorted(self._receivers)]
+        transport.wait(self._posted, "the replicas' tensor data", LoadFailedError)
         if failure is not None:
             raise failure
         failed = {
@@ -286,16 +259,3 @@ def batches(
         filled += nbytes
         previous = place
     return [batch for batch in out if batch]
-
-
-def _wait(ops: list[tuple[int, Any]], what: str) -> None:
-    for peer, work in ops:
-        try:
-            work.wait()
-        except Exception as e:  # gloo raises RuntimeError subclasses for a lost peer
-            forget_group()
-            raise LoadFailedError(
-                f"the replicas' exchange of {what} with rank {peer} failed: {e} (the rank died, "
-                "hung or is unreachable)",
-                rank_errors={peer: f"lost during the replicas' exchange of {what}: {e}"},
-            ) from e

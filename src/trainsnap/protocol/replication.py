@@ -43,9 +43,9 @@ def checkpoint_data_group() -> Any:
 
 
 def _forget_group() -> None:
-    from trainsnap.protocol.replica_reads import forget_group
+    from trainsnap.protocol.data_group import forget
 
-    forget_group()
+    forget()
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from typing import Any
 from trainsnap import trace, tunables
 from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.engine.staging import BudgetExceeded, Lease, StagingPool
-from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, RankErrors, TrainsnapError
 from trainsnap.format.checksums import Hasher
 from trainsnap.format.manifest import Manifest
 from trainsnap.protocol import commit, write_reports
@@ -223,7 +223,7 @@ def _planned(metas: list[RankMeta], sid: str, storage: Storage, comm: Comm) -> S
         return SavePlan([Assignment(problems=why) for _ in metas], [], {})
 
 
-def _not_planned(step: int, ranks: dict[int, str]) -> TrainsnapError:
+def _not_planned(step: int, ranks: RankErrors) -> TrainsnapError:
     return PeerLost(
         f"save of step {step} was not planned: {len(ranks)} rank(s) did not describe their "
         "state; nothing was written",
@@ -371,7 +371,7 @@ def _report_and_commit(
     return committed[0], outcome
 
 
-def _not_committed(step: int, sid: str, rank_errors: dict[int, str]) -> TrainsnapError:
+def _not_committed(step: int, sid: str, rank_errors: RankErrors) -> TrainsnapError:
     return CommitFailedError(
         f"save of step {step} (snapshot {sid}) was not committed: "
         f"{len(rank_errors)} rank(s) failed; the previous snapshots are untouched",
