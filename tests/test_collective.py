@@ -44,8 +44,8 @@ LOAD_STEPS = {
 }
 
 
-def _state(rank: int) -> dict[str, Any]:
-    local = torch.full((2, 4), float(rank))
+def _state(rank: int, value: float = 0.0) -> dict[str, Any]:
+    local = torch.full((2, 4), float(rank) + value)
     return {"w": ts.Sharded(local, global_shape=(2 * WORLD, 4), offsets=(2 * rank, 0)), "n": 1}
 
 
@@ -69,7 +69,7 @@ class _Injected:
         setattr(self.module, self.name, self.original)
 
 
-def _each_step(rank: int, world: int, root: str) -> dict[str, tuple[Any, ...]]:
+def _each_step(rank: int, world: int, root: str, only: str = "") -> dict[str, tuple[Any, ...]]:
     """Every save step, then every load step, with one rank failing in it. Per step: (whether
     this rank failed it, the kind of error raised, whether a TrainsnapError, its text, when it
     was raised, when this rank's fault was injected)."""
@@ -79,6 +79,8 @@ def _each_step(rank: int, world: int, root: str) -> dict[str, tuple[Any, ...]]:
     ts.save(_state(rank), f"{root}/loaded", step=1)
     for steps, op in ((SAVE_STEPS, "save"), (LOAD_STEPS, "load")):
         for i, (step, (module, name, failing)) in enumerate(steps.items()):
+            if only and not step.startswith(only):
+                continue
             dist.barrier()
             injected: _Injected | None = None
             try:
@@ -134,7 +136,7 @@ def _killed_mid_step(rank: int, world: int, root: str, op: str) -> tuple[str, fl
     started = time.monotonic()
     try:
         if op == "save":
-            ts.save(_state(rank), root, step=2)
+            ts.save(_state(rank, 10.0), root, step=2)  # new bytes: written, not reused
         else:
             ts.load(_state(rank), root)
     except TrainsnapError as e:

@@ -15,6 +15,7 @@ from trainsnap.api.async_saver import AsyncSaver, SaveHandle, default_saver
 from trainsnap.api.options import SaveOptions
 from trainsnap.engine.gc_pause import paused_gc
 from trainsnap.errors import (
+    CommitFailedError,
     CorruptError,
     IncompleteError,
     InvalidArgumentError,
@@ -170,9 +171,15 @@ def is_damage(error: TrainsnapError) -> bool:
 
 
 def _lost_a_rank(error: BaseException | None) -> bool:
+    """Whether ``error`` (or its cause chain) says a rank was lost: a ``PeerLost`` here, or a
+    peer's failure record of that kind (the error of a step another rank saw fail)."""
     seen = 0
     while error is not None and seen < 16:  # the cause chain, bounded
         if isinstance(error, PeerLost):
+            return True
+        if isinstance(error, CommitFailedError | LoadFailedError) and any(
+            f.kind == "PeerLost" for f in error.failures.values()
+        ):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False

@@ -170,6 +170,10 @@ class StoreSession:
         """The coordinator's decisions (broadcasts, scatters) so far."""
         self._opened_while = sys.exc_info()[1]
         """The exception being handled when the session opened: not one leaving it."""
+        self._gone: set[int] = set()
+        """(coordinator) Ranks lost in a gather: no decision is sent to them any more."""
+        self._counted = ""
+        """The count of the last gather this rank reported to."""
         self._unbeaten = False
         """Whether the heartbeat thread removed the heartbeat as it stopped."""
         self._who: dict[int, str] = {}
@@ -271,8 +275,11 @@ class StoreSession:
         # The heartbeat thread removes the heartbeat as it stops (see _beat); a thread that
         # did not stop in time leaves it to us.
         beat = [] if self._unbeaten else [self._beat_key]
+        # A failed session may leave the count of a gather that never completed (the last
+        # rank to add to it removes it after its own add) and reports never read.
+        failed = [self._counted, *self._unread] if self.failed and self._counted else []
         try:
-            for key in [*unanswered, *beat]:
+            for key in [*unanswered, *failed, *beat]:
                 self.store.delete_key(key)
         except Exception:
             self._sound = False
@@ -457,10 +464,10 @@ class StoreSession:
         self._unread = []
         if value[:1] == _INLINE:
             return pickle.loads(value[1:])
-        assert value == _SHARED, value[:16]
+        assert value[:1] == _SHARED, value[:16]
         shared = f"{base}/shared"
         data = self.store.get(shared)
-        if int(self.store.add(f"{shared}/reads", 1)) == self.c.world_size - 1:
+        if int(self.store.add(f"{shared}/reads", 1)) == int(value[1:]):
             self.store.delete_key(shared)  # the last reader removes it
             self.store.delete_key(f"{shared}/reads")
         return pickle.loads(data)
@@ -478,7 +485,7 @@ class StoreSession:
     def _others(self) -> tuple[list[int], list[str]]:
         """(coordinator) The other ranks, and their keys for this decision."""
         self._sends += 1
-        ranks = [r for r in range(self.c.world_size) if r != self.c.rank]
+        ranks = [r for r in range(self.c.world_size) if r != self.c.rank and r not in self._gone]
         return ranks, self._decision_keys(self._sends, ranks)
 
     # -- exchanges ----------------------------------------------------------------------------
@@ -492,7 +499,8 @@ class StoreSession:
         wake = self._wake_key(self._gathers)
         self.store.set(mine, pickle.dumps(obj))
         self._delivered = self._gathers
-        if int(self.store.add(f"{base}/count", 1)) == world:
+        self._counted = f"{base}/count"
+        if int(self.store.add(self._counted, 1)) == world:
             self.store.set(wake, _READY)  # the last to report wakes the coordinator
         if not self.c.is_coordinator:
             self._unread.append(mine)
@@ -506,7 +514,15 @@ class StoreSession:
             awaited = [r for r, there in zip(awaited, here, strict=True) if not there]
             return awaited
 
-        self._await(wake, f"report for {tag!r}", pending)
+        try:
+            self._await(wake, f"report for {tag!r}", pending)
+        except PeerLost as e:  # nothing is sent to the lost; what was reported goes
+            self._gone.update(e.ranks)
+            self._unanswered.append(base)
+            with contextlib.suppress(Exception):
+                self.store.delete_key(mine)
+                self.store.delete_key(f"{base}/count")
+            raise
         out = [pickle.loads(v) for v in self.store.multi_get(keys)]
         self.store.delete_key(mine)
         self.store.delete_key(f"{base}/count")
@@ -524,7 +540,7 @@ class StoreSession:
             self._send(keys, [_INLINE + data] * len(keys))
         else:
             self.store.set(f"{base}/shared", data)
-            self._send(keys, [_SHARED] * len(keys))
+            self._send(keys, [_SHARED + str(len(keys)).encode()] * len(keys))
         return obj
 
     @_marking
