@@ -303,3 +303,27 @@ def test_memory_local_and_durable_tiers_compose_in_one_process(tmp_path):
 
 def test_memory_local_and_durable_tiers_compose_on_two_nodes_of_two(tmp_path):
     _composed(tmp_path, 4)
+
+
+def test_memory_local_and_durable_saves_share_one_staging_budget(tmp_path):
+    """Every tier's saves stage into the manager's one pool: its peak stays within
+    ``staging_budget`` with memory snapshots every step, promoted to the local and durable
+    tiers, and two saves allowed in flight."""
+    state = {"w": torch.zeros(256, 256)}  # 256 KiB
+    budget = 320 << 10
+    mgr = ts.CheckpointManager(
+        tmp_path / "durable",
+        interval=ts.Every(steps=2),
+        local=ts.LocalTier(root=tmp_path / "local", interval=ts.Every(steps=1)),
+        memory=ts.MemoryTier(root=str(tmp_path / "memory"), wait_if_busy=True),
+        options=ts.ManagerOptions(staging_budget=budget, max_in_flight=2),
+    )
+    for step in range(6):
+        state["w"].add_(1.0)
+        assert mgr.step(step, state)
+    mgr.wait()
+    peak = mgr.saver.pool.peak
+    mgr.close()
+    assert 256 << 10 <= peak <= budget, peak  # staged (not written synchronously), once
+    assert [s.step for s in ts.list_snapshots(tmp_path / "durable")] == [0, 2, 4]
+    assert [s.step for s in ts.list_snapshots(tmp_path / "local")] == [4, 5]

@@ -79,7 +79,8 @@ class LocalTier:
     """A fast local tier (node NVMe, RAM disk) in front of the manager's durable root.
 
     Frequent snapshots (``interval``) go to it alone; durable saves are saved there too and then
-    promoted to the durable root in the background.
+    promoted to the durable root in the background. Beside a :class:`MemoryTier`, its steps are
+    promoted from the memory snapshot of the step (:mod:`trainsnap.manager.schedule`).
     """
 
     root: Root | Sequence[Root]
@@ -104,8 +105,9 @@ class MemoryTier:
 
     Each node keeps its ranks' objects in ``<root>/<job>/node-<n>`` (``job`` derived from the
     durable root), a complete trainsnap root layout; a snapshot is committed there only once
-    every object has ``1 + replicas`` copies on distinct nodes. Durable saves (the manager's
-    ``interval``) promote the memory snapshot of that step without capturing the state again.
+    every object has ``1 + replicas`` copies on distinct nodes. Durable and local saves (the
+    manager's and the local tier's ``interval``) promote the memory snapshot of that step
+    without capturing the state again.
     """
 
     root: str = "/dev/shm/trainsnap"
