@@ -48,7 +48,7 @@ from trainsnap.format.marker import check_manifest_bytes, decode_marker, encode_
 from trainsnap.manager.memory_nodes import Topology, shortfall
 from trainsnap.manager.options import MemoryTier
 from trainsnap.protocol import replication
-from trainsnap.protocol.collective import all_reduce
+from trainsnap.protocol.collective import all_reduce, vote
 from trainsnap.protocol.control_plane import Comm
 from trainsnap.protocol.rank_save import WriteReport
 from trainsnap.storage.base import Storage
@@ -201,7 +201,7 @@ class ReplicatedCommit:
                 tier.storage.put(marker_key(sid), marker[0])
             except (TrainsnapError, OSError) as e:  # a full tmpfs is an OSError (ENOSPC)
                 error = e
-        if self._vote(comm, "landed", lambda: error is None, None):
+        if self._landed(comm, error is None):
             if tier.is_leader:
                 tier.newest = sid
                 tier.retain()
@@ -239,6 +239,22 @@ class ReplicatedCommit:
         session = comm.session(f"commit-{tag}")
         try:
             return bool(all_reduce(comm, session, tag, local, all, failed or lost))
+        finally:
+            session.close()
+
+    def _landed(self, comm: Comm, landed: bool) -> bool:
+        """(all ranks) Whether every node leader wrote its marker (the others say yes): one
+        vote; a rank lost during it fails it."""
+
+        def lost(ranks: RankErrors) -> TrainsnapError:
+            return CommitFailedError(
+                f"memory commit: {len(ranks)} rank(s) lost before every marker was known",
+                rank_errors=ranks,
+            )
+
+        session = comm.session("commit-landed")
+        try:
+            return vote(comm, session, "landed", landed, lost)
         finally:
             session.close()
 

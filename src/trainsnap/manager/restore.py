@@ -28,7 +28,7 @@ from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.manager.options import ManagerOptions
 from trainsnap.manager.tiers import Tier
 from trainsnap.protocol import commit
-from trainsnap.protocol.collective import all_reduce
+from trainsnap.protocol.collective import all_reduce, decide
 from trainsnap.protocol.control_plane import Comm, PeerLost
 from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state.train_state import TrainState
@@ -160,12 +160,11 @@ def _candidates(
 
     session = mgr.comm.session("restore")
     try:
-        found = all_reduce(
+        found = decide(
             mgr.comm,
             session,
             "candidates",
-            None,
-            listed,
+            lambda: listed([]),
             lambda ranks: PeerLost("listing the snapshots to restore failed", ranks),
         )
     finally:
