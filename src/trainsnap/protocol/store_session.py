@@ -170,6 +170,8 @@ class StoreSession:
         """The coordinator's decisions (broadcasts, scatters) so far."""
         self._opened_while = sys.exc_info()[1]
         """The exception being handled when the session opened: not one leaving it."""
+        self._told: list[str] = []
+        """Keys :meth:`peer_lost` wrote for the step in progress."""
         self._gone: set[int] = set()
         """(coordinator) Ranks lost in a gather: no decision is sent to them any more."""
         self._counted = ""
@@ -210,8 +212,19 @@ class StoreSession:
         self._tell_left(failure, self.store.set)
 
     def peer_lost(self, failure: RankFailure) -> None:
-        # Never over the peer's own word (compare_set writes only where nothing is yet).
+        # Never over the peer's own word (compare_set writes only where nothing is yet). What
+        # this writes, the coordinator may already have read and removed (another rank told
+        # it first): this rank removes it again once the step's decision reached it.
         self._tell_left(failure, lambda key, value: self.store.compare_set(key, "", value))
+        if failure.rank != self.c.coordinator:
+            self._told.extend([self._left_key(failure.rank), self._wake_key(self._delivered + 1)])
+
+    def _forget_told(self) -> None:
+        """Remove what :meth:`peer_lost` wrote, once the step it was written for is decided."""
+        told, self._told = self._told, []
+        with contextlib.suppress(Exception):
+            for key in told:
+                self.store.delete_key(key)
 
     def _tell_left(self, failure: RankFailure, put: Callable[[str, bytes], Any]) -> None:
         """Record ``failure`` for its rank and wake who waits for that rank next. A rank other
@@ -458,6 +471,8 @@ class StoreSession:
         self._sends += 1
         (key,) = self._decision_keys(self._sends, [self.c.rank])
         value = self._await(key, f"decision on {tag!r}", lambda _: [coordinator])
+        if self._told:
+            self._forget_told()
         # The coordinator sends only after it has read every report before: they can go.
         for key in self._unread:
             self.store.delete_key(key)
@@ -516,7 +531,11 @@ class StoreSession:
 
         try:
             self._await(wake, f"report for {tag!r}", pending)
-        except PeerLost as e:  # nothing is sent to the lost; what was reported goes
+            if self._told:
+                self._forget_told()
+        except PeerLost as e:
+            if self._told:
+                self._forget_told()  # nothing is sent to the lost; what was reported goes
             self._gone.update(e.ranks)
             self._unanswered.append(base)
             with contextlib.suppress(Exception):
