@@ -26,7 +26,7 @@ from trainsnap.format.manifest import check_level
 from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
-from trainsnap.protocol.load_protocol import run_load
+from trainsnap.protocol.load_protocol import Prefetch, run_load
 from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
@@ -224,7 +224,10 @@ def _load_one(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None = None,
 ) -> SnapshotInfo:
+    """One snapshot's load on every rank, with its log line; ``prefetch`` as for
+    :func:`~trainsnap.protocol.load_protocol.run_load`."""
     started = time.perf_counter()
     with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
         loaded = run_load(
@@ -235,6 +238,7 @@ def _load_one(
             level=level,
             allow_downgrade=allow_downgrade,
             allow_pickle=allow_pickle,
+            prefetch=prefetch,
         )
     seconds = time.perf_counter() - started
     manifest, reached = loaded.manifest, loaded.level

@@ -5,7 +5,9 @@ Every rank calls :func:`run_load`:
 1. (coordinator) resolve which snapshot, so that ``"latest"`` means the same snapshot everywhere;
    broadcast it (or why there is none).
 2. (coordinator) read the manifest, once for the job; (all ranks) receive the part of it their
-   state needs (:mod:`trainsnap.protocol.manifest_share`).
+   state needs (:mod:`trainsnap.protocol.manifest_share`). With a ``prefetch`` hook, every rank
+   then hands that part to it (the memory tier fetches the objects it names that its node
+   lacks), before anything is read.
 3. (all ranks) plan the level (a :class:`~trainsnap.TrainState` decides what
    it can restore), read and verify what this rank's state needs, straight into it.
 4. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -40,6 +43,10 @@ from trainsnap.state.capture import check_root
 from trainsnap.state.template import Node, Walker, targets_of
 from trainsnap.state.train_state import LoadTrees, TrainState
 from trainsnap.storage.base import Storage
+
+Prefetch = Callable[[Manifest], None]
+"""A hook given the part of the manifest a rank's load needs, before it reads (see
+:func:`run_load`)."""
 
 
 class Loaded(NamedTuple):
@@ -61,11 +68,21 @@ def run_load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None = None,
 ) -> Loaded:
-    """Load on every rank; raises the load's failure on every rank when any rank failed."""
+    """Load on every rank; raises the load's failure on every rank when any rank failed.
+
+    ``prefetch(part)``, when given, is called on every rank between steps 2 and 3 with the part
+    of the manifest this rank's state needs (the whole manifest in a world of one): a tier
+    that must bring objects to this rank's storage first does it there, from the manifest the
+    load decoded and the wants its walk gave, so neither is done twice. It runs on every rank
+    in the same order, so it may be collective; its failure must be raised alike on every rank
+    (through :mod:`trainsnap.protocol.collective`), since no later step of the load is reached."""
     session = comm.session("load")
     try:
-        return _load(state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle)
+        return _load(
+            state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle, prefetch
+        )
     finally:
         session.close()
 
@@ -236,6 +253,7 @@ def _load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None,
 ) -> Loaded:
     with trace.span("resolve"):
         sid = _resolve(storage, snapshot, comm, session)
@@ -248,6 +266,9 @@ def _load(
             group = replica_reads.data_group()
             if sharing:
                 replicas = Replicas(sharing, comm.rank, group)
+    if prefetch is not None:
+        with trace.span("prefetch"):
+            prefetch(m)
     read = _Read(template, Reader(storage, m))  # one reader: each block read and verified once
 
     def local() -> _Loaded:
