@@ -30,6 +30,7 @@ from trainsnap.protocol.load_protocol import Prefetch, run_load
 from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.state.load_target import describe
 from trainsnap.storage import Root, open_storage
 from trainsnap.storage.base import Storage
 
@@ -242,10 +243,9 @@ def _load_one(
         )
     seconds = time.perf_counter() - started
     manifest, reached = loaded.manifest, loaded.level
-    # Why the level reached is not higher: a TrainState's plan says (no data cursor, a downgrade).
-    reasons = tuple(getattr(state, "restore_reasons", ()) if reached != "strict" else ())
+    reasons = loaded.reasons if reached != "strict" else ()
     log.info(
-        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s%s",
+        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s %s%s",
         manifest.snapshot_id,
         manifest.step,
         reached,
@@ -253,9 +253,12 @@ def _load_one(
         seconds,
         loaded.bytes_read / max(seconds, 1e-9) / 1e6,
         storage.url,
+        describe(loaded.components),
         f" not_higher_because={'; '.join(reasons)!r}" if reasons else "",
     )
-    return SnapshotInfo.from_manifest(manifest, storage.url, level=reached, reasons=reasons)
+    return SnapshotInfo.from_manifest(
+        manifest, storage.url, level=reached, reasons=reasons, components=loaded.components
+    )
 
 
 def read(

@@ -324,6 +324,7 @@ class CheckpointManager:
                     snapshot=info.id,
                     step=info.step,
                     level=info.level,
+                    components=info.restore_record(),
                     tier=name,
                     sources=sources,
                     seconds=time.perf_counter() - started,
