@@ -14,7 +14,8 @@ Resume levels say how much of it a restore gives back:
 
 Strict is refused when the snapshot lacks something the state asks for, when the topology
 changed under per-rank (rank-bound) RNG or data state, or when the model, tokenizer or data
-versions differ; ``allow_downgrade`` continues at the highest level that can be given.
+versions differ; ``allow_downgrade`` restores every component still valid and reports the
+highest level whose every component was restored (:mod:`trainsnap.state.train_load`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ PARTS_BY_LEVEL: dict[str, tuple[str, ...]] = {
     "training": ("model", "optim", "scheduler", "scaler", "extra", "grads"),
     "strict": ("model", "optim", "scheduler", "scaler", "extra", "grads", "rng", "data"),
 }
-RANK_BOUND_PARTS = ("rng", "data")
-"""Parts whose per-rank content only means the same on the same ranks."""
 
 
 def _as_list(x: Any) -> list[Any]:
