@@ -3,8 +3,11 @@ process and sample-exact across data-parallel sizes; missing pieces refuse stric
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -267,3 +270,81 @@ def test_a_fresh_optimizer_of_another_kind_is_refused_before_it_is_changed(tmp_p
     again = torch.optim.AdamW(model.parameters())
     assert ts.load(ts.TrainState(model, again, no_data_order=True), tmp_path).level == "strict"
     assert again.state_dict()["state"][0]["step"] == adamw.state_dict()["state"][0]["step"]
+
+
+# -- a downgrade keeps what is still valid -------------------------------------------------------
+
+DOWN_BATCH, DOWN_SAMPLES, DOWN_SAVE_AT, DOWN_TOTAL = 4, 24, 7, 11  # 6 steps an epoch
+
+
+def _downgrade_objects(rank: int, world: int) -> tuple[torch.nn.Module, Any, Any, ts.TrainState]:
+    random.seed(rank)  # Python's and NumPy's streams differ per rank: saved per rank
+    np.random.seed(rank)
+    torch.manual_seed(0)  # torch's is alike on every rank: stored once
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ts.ElasticSampler(
+        DOWN_SAMPLES, global_batch_size=DOWN_BATCH, seed=3, rank=rank, world_size=world
+    )
+    loader = torch.utils.data.DataLoader(
+        range(DOWN_SAMPLES), batch_size=DOWN_BATCH // world, sampler=sampler
+    )
+    return model, sampler, loader, ts.TrainState(model, opt, dataloader=loader)
+
+
+def _downgrade_steps(objs: Any, start: int, world: int, root: str | None) -> list[list[int]]:
+    """Steps ``start``..DOWN_TOTAL-1: the global sample ids of each (every rank's, in rank
+    order); saved to ``root`` after step DOWN_SAVE_AT when given."""
+    _model, sampler, loader, state = objs
+    rows = []
+    it = iter(loader)
+    for step in range(start, DOWN_TOTAL):
+        try:
+            ids = next(it)
+        except StopIteration:
+            it = iter(loader)
+            ids = next(it)
+        every = [ids]
+        if world > 1:
+            every = [torch.zeros_like(ids) for _ in range(world)]
+            torch.distributed.all_gather(every, ids)
+        rows.append([int(i) for part in every for i in part])
+        sampler.step()
+        if root is not None and step == DOWN_SAVE_AT:
+            ts.save(state, root, step=step, timeout=60)
+    return rows
+
+
+def _two_ranks_save(rank: int, world: int, root: str) -> list[list[int]]:
+    return _downgrade_steps(_downgrade_objects(rank, world), 0, world, root)
+
+
+def test_a_downgrade_to_one_process_keeps_the_global_data_cursor_and_says_what_it_dropped(
+    tmp_path, caplog
+):
+    """2 ranks with per-rank Python and NumPy RNG and an ElasticSampler, resumed on one process
+    with allow_downgrade: the same global samples in the same order, level 'training', and
+    each component listed -- the data cursor and torch's generator restored, Python's and
+    NumPy's not, because they were per rank."""
+    root = str(tmp_path)
+    reference = assert_all_ok(run_ranks(_two_ranks_save, 2, args=(root,), timeout=240))[0]
+    with pytest.raises(ts.IncompatibleError, match="python RNG state is per rank"):
+        ts.load(_downgrade_objects(0, 1)[3], root)
+    _model, sampler, _loader, state = objs = _downgrade_objects(0, 1)
+    info = ts.load(state, root, allow_downgrade=True)
+    assert info.level == "training"
+    components = {c.name: (c.restored, c.why) for c in info.components}
+    assert components["data"] == (True, "")
+    assert components["rng.torch"] == (True, "")
+    for gen in ("python", "numpy"):
+        restored, why = components[f"rng.{gen}"]
+        assert not restored
+        assert f"the {gen} RNG state is per rank" in why and "from 2 to 1 ranks" in why, why
+    assert {"model", "optimizer"} <= {n for n, (done, _) in components.items() if done}
+    assert any("per rank" in r for r in info.reasons), info.reasons
+    assert sampler.consumed == (DOWN_SAVE_AT + 1) * DOWN_BATCH
+    rows = _downgrade_steps(objs, DOWN_SAVE_AT + 1, 1, None)
+    assert rows == reference[DOWN_SAVE_AT + 1 :]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainsnap.api.snapshots"]
+    assert any("restored=model,optimizer,rng.torch,data" in line for line in lines), lines
+    assert any("not_restored='rng.python: the python RNG" in line for line in lines), lines

@@ -112,3 +112,31 @@ def test_the_walk_types_every_node_and_reuses_a_tensor_and_a_stateful_object_see
     weight = node.walked().children[0][1]
     assert isinstance(weight, TensorNode) and weight.described().key == "a.weight"
     assert walk(state) is not root and shared.calls == 2  # a new load walks afresh
+
+
+def test_the_prefetch_hook_gets_the_manifest_before_anything_is_read(tmp_path: Any) -> None:
+    from trainsnap.protocol.control_plane import LocalComm
+    from trainsnap.protocol.load_protocol import run_load
+    from trainsnap.storage import open_storage
+
+    ts.save(_state(0, 5.0), str(tmp_path), step=1)
+    state = _state(0, 0.0)
+    seen: list[tuple[int, float]] = []
+
+    def prefetch(part: Any) -> None:  # nothing read yet: the tensors are as given
+        seen.append((part.step, float(state["w"][0])))
+
+    storage = open_storage(str(tmp_path))
+    loaded = run_load(
+        state,
+        storage,
+        "latest",
+        LocalComm(),
+        level="strict",
+        allow_downgrade=False,
+        allow_pickle=False,
+        prefetch=prefetch,
+    )
+    assert seen == [(1, 0.0)]
+    assert loaded.level == "strict" and float(state["w"][0]) == 5.0
+    assert state["a"].calls == 1

@@ -29,10 +29,11 @@ from trainsnap.format.values import PickleKeys
 from trainsnap.protocol import commit, tree_load
 from trainsnap.protocol.collective import decide, vote
 from trainsnap.protocol.control_plane import Comm, LocalComm, PeerLost, comm_for
-from trainsnap.protocol.load_protocol import run_load
+from trainsnap.protocol.load_protocol import Prefetch, run_load
 from trainsnap.protocol.rank_load import fill
 from trainsnap.protocol.save_protocol import run_save
 from trainsnap.protocol.snapshot_info import SnapshotInfo
+from trainsnap.state.load_target import describe
 from trainsnap.storage import Root, open_storage
 from trainsnap.storage.base import Storage
 
@@ -244,7 +245,10 @@ def _load_one(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None = None,
 ) -> SnapshotInfo:
+    """One snapshot's load on every rank, with its log line; ``prefetch`` as for
+    :func:`~trainsnap.protocol.load_protocol.run_load`."""
     started = time.perf_counter()
     with paused_gc():  # tens of thousands of short-lived objects: see trainsnap.engine.gc_pause
         loaded = run_load(
@@ -255,13 +259,13 @@ def _load_one(
             level=level,
             allow_downgrade=allow_downgrade,
             allow_pickle=allow_pickle,
+            prefetch=prefetch,
         )
     seconds = time.perf_counter() - started
     manifest, reached = loaded.manifest, loaded.level
-    # Why the level reached is not higher: a TrainState's plan says (no data cursor, a downgrade).
-    reasons = tuple(getattr(state, "restore_reasons", ()) if reached != "strict" else ())
+    reasons = loaded.reasons if reached != "strict" else ()
     log.info(
-        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s%s",
+        "loaded snapshot %s step=%d level=%s bytes_read=%d seconds=%.3f MBps=%.1f root=%s %s%s",
         manifest.snapshot_id,
         manifest.step,
         reached,
@@ -269,9 +273,12 @@ def _load_one(
         seconds,
         loaded.bytes_read / max(seconds, 1e-9) / 1e6,
         storage.url,
+        describe(loaded.components),
         f" not_higher_because={'; '.join(reasons)!r}" if reasons else "",
     )
-    return SnapshotInfo.from_manifest(manifest, storage.url, level=reached, reasons=reasons)
+    return SnapshotInfo.from_manifest(
+        manifest, storage.url, level=reached, reasons=reasons, components=loaded.components
+    )
 
 
 def read(

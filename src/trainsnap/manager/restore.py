@@ -95,6 +95,7 @@ def restore(
                 snapshot=info.id,
                 step=info.step,
                 level=info.level,
+                components=info.restore_record(),
                 tier=tier.name,
                 sources=sources,
                 seconds=time.perf_counter() - started,

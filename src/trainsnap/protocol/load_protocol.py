@@ -5,22 +5,28 @@ Every rank calls :func:`run_load`:
 1. (coordinator) resolve which snapshot, so that ``"latest"`` means the same snapshot everywhere;
    broadcast it (or why there is none).
 2. (coordinator) read the manifest, once for the job; (all ranks) receive the part of it their
-   state needs (:mod:`trainsnap.protocol.manifest_share`).
-3. (all ranks) plan the level (a :class:`~trainsnap.TrainState` decides what
-   it can restore), read and verify what this rank's state needs, straight into it.
+   state needs (:mod:`trainsnap.protocol.manifest_share`). With a ``prefetch`` hook, every rank
+   then hands that part to it (the memory tier fetches the objects it names that its node
+   lacks), before anything is read.
+3. (all ranks) plan: the state's load target (:mod:`trainsnap.state.load_target`), given the
+   manifest and the plain values it needs, says what it restores and at which level; read and
+   verify what this rank's state needs, straight into it; the target checks what was read.
 4. (coordinator) gather every rank's result; (all ranks) learn it: a load that failed anywhere
    raises everywhere, and step 5 is not run. Tensors were filled in place while reading, so a
    failed load leaves them partly or wholly filled: load again before using the state.
-5. (all ranks) apply what was read (RNG, sampler cursors, objects with ``load_state_dict``).
+5. (all ranks) the target applies what was read (RNG, sampler cursors, objects with
+   ``load_state_dict``).
 
 The state is walked once for all of it (:class:`_Template`, :mod:`trainsnap.state.template`):
 what a rank wants in step 2, the plan, the reads and the fill in step 3 read the walked nodes.
+The protocol never asks what kind of state it holds: the target answers every such question.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -37,9 +43,14 @@ from trainsnap.protocol.control_plane import Comm, Session
 from trainsnap.protocol.rank_load import fill, read_value
 from trainsnap.protocol.replica_reads import Replicas
 from trainsnap.state.capture import check_root
+from trainsnap.state.load_target import Component, LoadTarget
 from trainsnap.state.template import Node, Walker, targets_of
-from trainsnap.state.train_state import LoadTrees, TrainState
+from trainsnap.state.train_state import target_of
 from trainsnap.storage.base import Storage
+
+Prefetch = Callable[[Manifest], None]
+"""A hook given the part of the manifest a rank's load needs, before it reads (see
+:func:`run_load`)."""
 
 
 class Loaded(NamedTuple):
@@ -50,6 +61,10 @@ class Loaded(NamedTuple):
     """The resume level reached."""
     bytes_read: int
     """Bytes this rank read (manifest parts not included)."""
+    reasons: tuple[str, ...] = ()
+    """Why the level reached is not higher."""
+    components: tuple[Component, ...] = ()
+    """Each component of the state, restored or not and why (the target's plan)."""
 
 
 def run_load(
@@ -61,11 +76,21 @@ def run_load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None = None,
 ) -> Loaded:
-    """Load on every rank; raises the load's failure on every rank when any rank failed."""
+    """Load on every rank; raises the load's failure on every rank when any rank failed.
+
+    ``prefetch(part)``, when given, is called on every rank between steps 2 and 3 with the part
+    of the manifest this rank's state needs (the whole manifest in a world of one): a tier
+    that must bring objects to this rank's storage first does it there, from the manifest the
+    load decoded and the wants its walk gave, so neither is done twice. It runs on every rank
+    in the same order, so it may be collective; its failure must be raised alike on every rank
+    (through :mod:`trainsnap.protocol.collective`), since no later step of the load is reached."""
     session = comm.session("load")
     try:
-        return _load(state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle)
+        return _load(
+            state, storage, snapshot, comm, session, level, allow_downgrade, allow_pickle, prefetch
+        )
     finally:
         session.close()
 
@@ -134,14 +159,12 @@ class _Template:
     """This rank's state as its load sees it, walked once: the nodes say what the rank wants
     (step 2) and are what the plan, the reads and the fill use (step 3)."""
 
-    state: Any
+    target: LoadTarget
     walker: Walker = field(default_factory=Walker)
-    trees: LoadTrees | None = None
-    """A :class:`TrainState`'s model and optimizer trees, taken once (step 2 or 3)."""
     _walked: tuple[Any, Node] | None = None
 
     def walked(self, obj: Any) -> Node:
-        """The node of ``obj`` (the state, or the tree a TrainState plans), walked once."""
+        """The node of ``obj`` (the state, or the tree its target plans), walked once."""
         if self._walked is None or self._walked[0] is not obj:
             check_root(obj)
             self._walked = (obj, self.walker.walk(obj))
@@ -150,20 +173,17 @@ class _Template:
     def wants(self) -> Wants | None:
         """Step 2: what this rank's state may read (None: it cannot say; its plan will)."""
         try:
-            if isinstance(self.state, TrainState):
-                self.trees = self.state.load_trees()
-                tree = {} if self.trees is None else self.trees.as_tree()
-                return manifest_share.wants_of(self.walker.walk(tree), self.state.load_keys())
-            return manifest_share.wants_of(self.walked(self.state))
+            wanted = self.target.wants()
+            return manifest_share.wants_of(self.walked(wanted.tree), wanted.tops)
         except TrainsnapError:
             return None
 
 
 def state_wants(state: Any) -> Wants | None:
     """What a load of ``state`` may read, as its step 2 says it (None: it cannot say), for a
-    caller that must know before the load: the memory tier fetches the objects this names from
-    other nodes first. A walk of the state of its own: O(the state's nodes)."""
-    return _Template(state).wants()
+    caller that must know before the load. A walk of the state of its own: O(the state's
+    nodes); a load with a ``prefetch`` hook is given the same without a second walk."""
+    return _Template(target_of(state)).wants()
 
 
 @dataclass(slots=True)
@@ -174,6 +194,8 @@ class _Read:
     reader: Reader
     tree: Any = None
     reached: str = ""
+    reasons: tuple[str, ...] = ()
+    components: tuple[Component, ...] = ()
     nread: int = 0
     left_out: list[str] = field(default_factory=list)
 
@@ -188,18 +210,14 @@ def _read(
 ) -> _Loaded:
     """Step 3 (all ranks): plan the level, read and verify straight into the state."""
     template, reader, m = read.template, read.reader, read.reader.m
-    state = template.state
-    read.tree, read.reached = state, level
-    if isinstance(state, TrainState):
-        plan = state.plan_load(
-            m,
-            level,
-            world_size=comm.world_size,
-            allow_downgrade=allow_downgrade,
-            read_value=lambda key: read_value(reader, key, comm.rank),
-            trees=template.trees,
-        )
-        read.tree, read.reached = plan.tree, plan.level
+    target = template.target
+    needed = [k for k in target.needs(m) if m.find_value(k, comm.rank) is not None]
+    values = {key: read_value(reader, key, comm.rank) for key in needed}
+    plan = target.plan(
+        m, level, values, world_size=comm.world_size, allow_downgrade=allow_downgrade
+    )
+    read.tree, read.reached = plan.tree, plan.level
+    read.reasons, read.components = tuple(plan.reasons), tuple(plan.components)
     with trace.span("read") as ev:
         same = m.world_size == comm.world_size
         alone = comm.world_size == 1
@@ -207,7 +225,7 @@ def _read(
         wanted = (
             targets_of(walked)
             if m.tree is None
-            else tree_load.plan(walked, m, comm.rank, same, alone=alone)
+            else tree_load.plan(walked, m, comm.rank, same, alone=alone, skip=plan.left_out)
         )
         read.left_out = wanted.left_out
         fill(
@@ -221,8 +239,7 @@ def _read(
             reader=reader,
         )
         read.nread = ev["bytes"] = reader.bytes_read
-    if isinstance(state, TrainState):
-        state.check_loaded(read.tree)
+    target.check(read.tree)
     took = frozenset(map(_digest, wanted.admitted)) if wanted.left_out else None
     return _Loaded(read.reached, took)
 
@@ -236,18 +253,22 @@ def _load(
     level: str,
     allow_downgrade: bool,
     allow_pickle: PickleKeys,
+    prefetch: Prefetch | None,
 ) -> Loaded:
     with trace.span("resolve"):
         sid = _resolve(storage, snapshot, comm, session)
     with trace.span("open"):
         # Every rank raises the coordinator's failure here alike: no further agreement needed.
-        template = _Template(state)
+        template = _Template(target_of(state))
         m, sharing, share = manifest_share.manifest_for(storage, sid, template.wants, comm, session)
         replicas = None
         if share:  # every rank, in the same order: the data group is made collectively
             group = replica_reads.data_group()
             if sharing:
                 replicas = Replicas(sharing, comm.rank, group)
+    if prefetch is not None:
+        with trace.span("prefetch"):
+            prefetch(m)
     read = _Read(template, Reader(storage, m))  # one reader: each block read and verified once
 
     def local() -> _Loaded:
@@ -274,6 +295,5 @@ def _load(
     failed = all_reduce(comm, session, "loaded", local, reduce, failure)
     if failed:
         raise failure(failed)
-    if isinstance(state, TrainState):
-        state.apply(read.tree)
-    return Loaded(m, read.reached, read.nread)
+    template.target.apply(read.tree)
+    return Loaded(m, read.reached, read.nread, read.reasons, read.components)

@@ -9,6 +9,7 @@ from typing import Any
 
 from trainsnap.format.manifest import Manifest
 from trainsnap.format.marker import Marker
+from trainsnap.state.load_target import Component
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +19,10 @@ class SnapshotInfo:
     ``level`` is what the snapshot offers when listed or saved, and what was reached when
     returned by a load. ``nbytes`` is the bytes its objects occupy. ``reasons`` says, for a
     load that reached less than ``strict``, why not higher; ``sources``, for a restore from the
-    memory tier, where its bytes came from.
+    memory tier, where its bytes came from; ``components``, for a load, each component of the
+    state (``model``, ``optimizer``, ``scheduler``, ``scaler``, ``extra``, ``grads``, ``data``,
+    ``rng.python``, ``rng.numpy``, ``rng.torch``, ``rng.cuda``; a plain state's top-level keys)
+    restored or not and why.
     """
 
     id: str
@@ -32,10 +36,21 @@ class SnapshotInfo:
     sources: Mapping[str, int] = field(default_factory=dict)
     """For a restore from the memory tier: bytes this rank got from each place ("memory (this
     node)", "memory (partner node)"); empty otherwise (the bytes came from ``root``)."""
+    components: tuple[Component, ...] = ()
+    """For a load: each component of the state, restored or not, and why not (empty when
+    listed or saved)."""
+
+    def restore_record(self) -> list[dict[str, Any]]:
+        """``components`` as plain data, for the restart log."""
+        return [c.as_dict() for c in self.components]
 
     @staticmethod
     def from_manifest(
-        manifest: Manifest, root: str, level: str | None = None, reasons: tuple[str, ...] = ()
+        manifest: Manifest,
+        root: str,
+        level: str | None = None,
+        reasons: tuple[str, ...] = (),
+        components: tuple[Component, ...] = (),
     ) -> SnapshotInfo:
         return SnapshotInfo(
             id=manifest.snapshot_id,
@@ -46,6 +61,7 @@ class SnapshotInfo:
             root=root,
             tokens_seen=manifest.tokens_seen,
             reasons=reasons,
+            components=components,
         )
 
     @staticmethod

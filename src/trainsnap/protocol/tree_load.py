@@ -66,12 +66,20 @@ _ABSENT: Any = object()
 
 class _Planner:
     def __init__(
-        self, manifest: Manifest, rank: int, *, lenient: bool = False, alone: bool = False
+        self,
+        manifest: Manifest,
+        rank: int,
+        *,
+        lenient: bool = False,
+        alone: bool = False,
+        skip: tuple[str, ...] = (),
     ) -> None:
         """``lenient``: a read (sharded tensors are assembled whole; another rank's entries
         are left out) rather than a load. ``alone``: a load of one process (no other rank
-        can hold the saved keys an exact mapping lacks)."""
+        can hold the saved keys an exact mapping lacks). ``skip``: saved keys (dotted
+        prefixes) an exact mapping leaves out on purpose: neither a problem nor left out."""
         self.m, self.rank, self.lenient, self.alone = manifest, rank, lenient, alone
+        self.skip = skip
         self.targets = Targets()
         self.missing: list[str] = []
         self.problems: list[tuple[str, str]] = []
@@ -174,6 +182,7 @@ class _Planner:
             allowed = node.allowed if node is not None else None
             held = {(type(k), k) for k in (given if allowed is None else allowed)}
             lacked = [_path(key, k) for k, _ in pairs if (type(k), k) not in held]
+            lacked = [k for k in lacked if not _under(k, self.skip)]
             if lacked and self.alone:
                 self.problems.append(
                     (
@@ -251,6 +260,10 @@ class _Planner:
 _path = path
 
 
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
 def _built(build: Any, old: Node | None, decoded: dict[str, Any]) -> Any:
     if build is _SAME:
         return None if old is None else old.obj
@@ -258,14 +271,22 @@ def _built(build: Any, old: Node | None, decoded: dict[str, Any]) -> Any:
 
 
 def plan(
-    state: Node, manifest: Manifest, rank: int, same_world: bool = True, *, alone: bool = False
+    state: Node,
+    manifest: Manifest,
+    rank: int,
+    same_world: bool = True,
+    *,
+    alone: bool = False,
+    skip: tuple[str, ...] = (),
 ) -> Targets:
     """What loading the walked ``state`` (:mod:`trainsnap.state.template`) from ``manifest``
     (which has a tree) reads, and how the results are put in place (``Targets.assign``); raises
     before reading anything when the state and the snapshot do not fit. ``alone``: this is a
-    load of one process. O(nodes + saved tree); reads the nodes, never the state."""
+    load of one process; ``skip``: saved keys its exact mappings leave out on purpose (a
+    generator a restore keeps as it is). O(nodes + saved tree); reads the nodes, never the
+    state."""
     assert manifest.tree is not None
-    planner = _Planner(manifest, rank, alone=alone)
+    planner = _Planner(manifest, rank, alone=alone, skip=skip)
     root = root_mapping(state)
     root_obj = root.obj
     saved = tree.children(manifest.tree)

@@ -32,6 +32,8 @@ import torch
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.state.sampler import ElasticSampler
 
+_FINISHED = "_iterator_finished"
+"""torchdata's key of a saved iterator that has ended."""
 RESUMABLE = (
     "use torchdata's StatefulDataLoader (same arguments: from torchdata.stateful_dataloader "
     "import StatefulDataLoader), or DataLoader(dataset, batch_size=..., sampler=ts.ElasticSampler("
@@ -108,7 +110,7 @@ class StatefulLoaderCursor(DataCursor):
 
     def load_state_dict(self, state: Any) -> None:
         loader = self.source
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(_read_through(loader, state["loader"]))
         if state["loader"]:
             # Start the resumed iterator now, before the RNG is restored: the loop's next
             # iter(loader) is given this one and draws nothing.
@@ -116,6 +118,30 @@ class StatefulLoaderCursor(DataCursor):
         for gen, saved in zip(_generators(loader), state["generators"], strict=False):
             if saved is not None:
                 gen.set_state(saved)
+
+
+def _read_through(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its iterator marked finished when it had yielded its whole epoch.
+
+    A save after an epoch's last step finds the iterator at the end of its batches but not yet
+    finished: that happens at the next ``next()``, which raises ``StopIteration``. The loop of
+    the uninterrupted run then asks for a new iterator (the next ``for batch in loader``, or
+    ``iter()`` after the ``StopIteration``), which starts the next epoch. Resumed unmarked,
+    the first iterator would be the old epoch's, empty: a loop over epochs would spend one of
+    them on it. Marked, torchdata's next ``iter()`` starts the next epoch, drawing its seed
+    from the restored generator as the uninterrupted run did after the save. O(1)."""
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable dataset of no known length: its state says when it ends
+        return state
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict):  # worker processes: yielded = at the snapshot + since
+        yielded = snapshot.get("_snapshot_step", 0) + state.get("_steps_since_snapshot", 0)
+    else:
+        yielded = state.get("_num_yielded", 0)
+    if state and not state.get(_FINISHED, True) and yielded >= batches:
+        return {**state, _FINISHED: True}
+    return state
 
 
 def cursor_of(dataloader: Any) -> DataCursor:

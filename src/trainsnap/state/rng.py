@@ -12,7 +12,7 @@ data-parallel layout -- the randomness a resume on a different number of ranks c
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,33 +78,53 @@ def capture() -> dict[str, Any]:
     return state
 
 
-def check_plain(read_value: Any) -> None:
-    """Raise :class:`CorruptError` unless the plain parts of a saved RNG state (Python's state,
-    NumPy's scalars), read through ``read_value(key)``, would restore: checked before a load
-    reads any tensor, since tensors are filled in place."""
-    python = {name: read_value(f"rng.python.{name}") for name in ("version", "state", "gauss")}
-    numpy = {
-        name: read_value(f"rng.numpy.{name}") for name in ("name", "pos", "has_gauss", "gauss")
-    }
-    check(
-        {
-            "python": python,
-            "numpy": {**numpy, "keys": torch.zeros(624, dtype=torch.int64)},
-            "torch": torch.get_rng_state(),
-        }
-    )
+PLAIN_KEYS = (
+    *(f"rng.python.{name}" for name in ("version", "state", "gauss")),
+    *(f"rng.numpy.{name}" for name in ("name", "pos", "has_gauss", "gauss")),
+)
+"""The saved keys of the RNG state's plain parts (Python's state, NumPy's scalars)."""
 
 
-def check(state: dict[str, Any]) -> None:
-    """Raise :class:`CorruptError` unless :func:`restore` would accept ``state``: it is tried
-    on fresh generators, so a load can refuse it before it applies anything else."""
+def check_plain(values: Mapping[str, Any], generators: Collection[str]) -> None:
+    """Raise :class:`CorruptError` unless the plain parts of the saved state of
+    ``generators`` (``python``, ``numpy``), read into ``values`` by key, would restore:
+    checked before a load reads any tensor, since tensors are filled in place."""
+    state: dict[str, Any] = {}
+    if "python" in generators:
+        state["python"] = _saved(values, "python", ("version", "state", "gauss"))
+    if "numpy" in generators:
+        numpy = _saved(values, "numpy", ("name", "pos", "has_gauss", "gauss"))
+        state["numpy"] = {**numpy, "keys": torch.zeros(624, dtype=torch.int64)}
+    check(state)
+
+
+def _saved(values: Mapping[str, Any], generator: str, names: tuple[str, ...]) -> dict[str, Any]:
     try:
-        py = state["python"]
-        random.Random().setstate((py["version"], tuple(py["state"]), py["gauss"]))
-        n = state["numpy"]
-        keys = n["keys"].numpy().astype(np.uint32)
-        np.random.RandomState().set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
-        torch.Generator().set_state(state["torch"])
+        return {name: values[f"rng.{generator}.{name}"] for name in names}
+    except KeyError as e:
+        raise CorruptError(
+            f"the snapshot's {generator} RNG state lacks {e.args[0]!r}; nothing was applied. "
+            "Load at level 'training' to skip it, or restore an older snapshot",
+            key="rng",
+        ) from e
+
+
+def check(state: Mapping[str, Any]) -> None:
+    """Raise :class:`CorruptError` unless :func:`restore` would accept ``state`` (every
+    generator it holds): it is tried on fresh generators, so a load can refuse it before it
+    applies anything else."""
+    try:
+        if "python" in state:
+            py = state["python"]
+            random.Random().setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        if "numpy" in state:
+            n = state["numpy"]
+            keys = n["keys"].numpy().astype(np.uint32)
+            np.random.RandomState().set_state(
+                (n["name"], keys, n["pos"], n["has_gauss"], n["gauss"])
+            )
+        if "torch" in state:
+            torch.Generator().set_state(state["torch"])
         cuda = state.get("cuda")
         if (
             cuda is not None
@@ -123,14 +143,19 @@ def check(state: dict[str, Any]) -> None:
         ) from e
 
 
-def restore(state: dict[str, Any]) -> None:
-    """Put back what :func:`capture` took (CUDA only where the saved and present devices agree)."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
+def restore(state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture` took, each generator ``state`` holds (a restore may keep
+    only some: the others stay as they are). CUDA only where the saved and present devices
+    agree."""
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    if "numpy" in state:
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():

@@ -117,11 +117,17 @@ class ElasticSampler(Sampler[int]):
         CPU generator) where they are now.
 
         A ``DataLoader`` draws one int64 from its ``generator=`` (or the global generator) when
-        it creates an iterator, just before it asks this sampler for indices. The uninterrupted
-        run drew it when the epoch started; a resumed run draws it again at the restored step,
-        which would shift every later draw (dropout). When this sampler is first iterated after
-        a restore, each generator that moved by exactly that one draw since now is put back.
-        A generator that moved otherwise (the loop drew from it itself) is left alone. O(1)."""
+        it creates an iterator, just before it asks this sampler for indices. Restored in the
+        middle of an epoch, the uninterrupted run drew it when the epoch started, before the
+        save; a resumed run draws it again at the restored step, which would shift every later
+        draw (dropout). When this sampler is first iterated after such a restore, each
+        generator that moved by exactly that one draw since now is put back. A generator that
+        moved otherwise (the loop drew from it itself) is left alone. Restored at an epoch's
+        boundary (after its last step), the uninterrupted run made that draw after the save,
+        for the next epoch's iterator, as the resumed run does: nothing is taken back. O(1)."""
+        if self.consumed % self.per_epoch == 0:
+            self._rewinds = []
+            return
         self._rewinds = [
             (gen, torch.get_rng_state() if gen is None else gen.get_state()) for gen in generators
         ]

@@ -14,24 +14,26 @@ Resume levels say how much of it a restore gives back:
 
 Strict is refused when the snapshot lacks something the state asks for, when the topology
 changed under per-rank (rank-bound) RNG or data state, or when the model, tokenizer or data
-versions differ; ``allow_downgrade`` continues at the highest level that can be given.
+versions differ; ``allow_downgrade`` restores every component still valid and reports the
+highest level whose every component was restored (:mod:`trainsnap.state.train_load`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from trainsnap.errors import IncompatibleError, InvalidArgumentError
-from trainsnap.format.manifest import LEVELS, Manifest, check_level, level_rank
 from trainsnap.state import rng as rng_mod
 from trainsnap.state.capture import Exact
 from trainsnap.state.data_cursor import cursor_of
+from trainsnap.state.load_target import LoadTarget, PlainState
 from trainsnap.state.model_parts import ModelParts
+from trainsnap.state.train_load import LoadTrees, SnapshotParts, TrainLoad, grads_template
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,6 @@ PARTS_BY_LEVEL: dict[str, tuple[str, ...]] = {
     "training": ("model", "optim", "scheduler", "scaler", "extra", "grads"),
     "strict": ("model", "optim", "scheduler", "scaler", "extra", "grads", "rng", "data"),
 }
-RANK_BOUND_PARTS = ("rng", "data")
-"""Parts whose per-rank content only means the same on the same ranks."""
-VERSION_KEYS_CHECKED = ("model", "tokenizer", "data")
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -51,30 +50,94 @@ def _as_list(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
-@dataclass(slots=True)
-class LoadTrees:
-    """A :class:`TrainState`'s model and optimizer trees, taken once for a load."""
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part of a :class:`TrainState` besides its model and optimizers (which
+    :class:`~trainsnap.state.model_parts.ModelParts` takes and gives back together): how a
+    save captures it, what a load fills for it, and how the filled state is given back."""
 
-    model: Any
-    optim: Any
-    """None when the state has no optimizer part."""
-    ready: bool
-    """The optimizer tree is a load template as it is (no optimizer needs initialising)."""
-
-    def as_tree(self) -> dict[str, Any]:
-        return (
-            {"model": self.model}
-            if self.optim is None
-            else {"model": self.model, "optim": self.optim}
-        )
+    name: str
+    capture: Callable[[TrainState], Any]
+    template: Callable[[TrainState, SnapshotParts, Collection[str]], Any]
+    """(state, what the snapshot holds, the components restored) -> the tree to fill."""
+    apply: Callable[[TrainState, Any], None]
+    after: Callable[[TrainState], None] | None = None
+    """Run once every part is applied, the RNG included."""
 
 
-@dataclass(slots=True)
-class LoadPlan:
-    tree: dict[str, Any]
-    level: str
-    reasons: list[str] = field(default_factory=list)
-    """Why a higher level could not be reached (empty when the asked level was, or strict)."""
+def _schedulers(state: TrainState) -> Any:
+    sds = [s.state_dict() for s in state.schedulers]
+    return sds if state.scheduler_is_list else sds[0]
+
+
+def _apply_schedulers(state: TrainState, tree: Any) -> None:
+    sds = tree if state.scheduler_is_list else [tree]
+    for scheduler, sd in zip(state.schedulers, sds, strict=True):
+        scheduler.load_state_dict(sd)
+
+
+def _scaler(state: TrainState) -> Any:
+    return state.scaler.state_dict()
+
+
+def _apply_scaler(state: TrainState, tree: Any) -> None:
+    state.scaler.load_state_dict(tree)
+
+
+def _cursor_state(state: TrainState) -> Any:
+    assert state._cursor is not None
+    return state._cursor.state_dict()
+
+
+def _apply_cursor(state: TrainState, tree: Any) -> None:
+    assert state._cursor is not None
+    state._cursor.load_state_dict(tree)
+
+
+def _after_cursor(state: TrainState) -> None:
+    assert state._cursor is not None
+    state._cursor.after_restore()
+
+
+def _apply_grads(state: TrainState, tree: Any) -> None:
+    params = dict(state.model_parts().named_parameters())
+    for name, grad in tree.items():
+        params[name].grad = grad
+
+
+def _rng_template(state: TrainState, snap: SnapshotParts, restored: Collection[str]) -> Any:
+    """The generators restored, and only they: the others' saved keys are left out (a
+    per-rank stream on another number of ranks is not read)."""
+    return Exact((g, s) for g, s in rng_mod.template().items() if f"rng.{g}" in restored)
+
+
+def _same(capture: Callable[[TrainState], Any]) -> Any:
+    """A part whose load template is what a save captures."""
+    return lambda state, _snap, _restored: capture(state)
+
+
+def _extra(state: TrainState) -> Any:
+    return state.extra
+
+
+def _grads(state: TrainState) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in state.model_parts().named_parameters() if p.grad is not None}
+
+
+def _nothing(state: TrainState, tree: Any) -> None:
+    """Filled in place by the load."""
+
+
+PARTS: tuple[Part, ...] = (
+    Part("scheduler", _schedulers, _same(_schedulers), _apply_schedulers),
+    Part("scaler", _scaler, _same(_scaler), _apply_scaler),
+    Part("data", _cursor_state, _same(_cursor_state), _apply_cursor, after=_after_cursor),
+    Part("extra", _extra, _same(_extra), _nothing),
+    Part("grads", _grads, lambda state, snap, _restored: grads_template(state, snap), _apply_grads),
+    # Last: nothing applied before it may draw from the generators it puts back.
+    Part("rng", lambda _state: rng_mod.capture(), _rng_template, lambda _s, t: rng_mod.restore(t)),
+)
+"""Every part besides model and optimizers, in the order a load applies them."""
 
 
 class TrainState:
@@ -107,8 +170,13 @@ class TrainState:
             reaches ``training`` at most, since the data would not continue where it stopped;
             with ``no_data_order=True`` it reaches ``strict``.
 
-    After a restore, :attr:`restore_reasons` says why the level reached is not higher.
+    A load gives back each part the snapshot holds that still means the same here (see
+    :mod:`trainsnap.state.train_load`); the returned ``SnapshotInfo`` lists every component,
+    restored or not and why.
     """
+
+    PARTS: ClassVar[tuple[Part, ...]] = PARTS
+    """Every part besides model and optimizers (see :class:`Part`)."""
 
     # One keyword per part of the run (DESIGN.md section 6); grouping them would hide the parts.
     def __init__(  # noqa: PLR0913
@@ -143,8 +211,6 @@ class TrainState:
                 "but a dataloader= was given; pass one or the other"
             )
         self.no_data_order = no_data_order
-        self.restore_reasons: list[str] = []
-        """Why the last restore into this state reached no higher level (empty at strict)."""
         self.extra = extra if extra is not None else {}
         self.extra_given = extra is not None
         self.rng = rng
@@ -249,20 +315,9 @@ class TrainState:
                 tree["optim"] = osd
                 tree["optim_meta"] = {"stateless": self._stateless(osd)}
             tree["model"] = msd
-        if "scheduler" in want:
-            sds = [s.state_dict() for s in self.schedulers]
-            tree["scheduler"] = sds if self.scheduler_is_list else sds[0]
-        if "scaler" in want:
-            tree["scaler"] = self.scaler.state_dict()
-        if "data" in want:
-            assert self._cursor is not None
-            tree["data"] = self._cursor.state_dict()
-        if "rng" in want:
-            tree["rng"] = rng_mod.capture()
-        if "extra" in want:
-            tree["extra"] = self.extra
-        if "grads" in want:
-            tree["grads"] = self._grads()
+        for part in PARTS:
+            if part.name in want:
+                tree[part.name] = part.capture(self)
         return tree
 
     def load_keys(self) -> list[str]:
@@ -297,157 +352,18 @@ class TrainState:
             out += [n for n in named if n not in sd["state"]]
         return sorted(out)
 
-    def _grads(self) -> dict[str, torch.Tensor]:
-        assert self._parts is not None
-        return {n: p.grad for n, p in self._parts.named_parameters() if p.grad is not None}
+    def model_parts(self) -> ModelParts:
+        """The model's and optimizers' parts (:class:`InvalidArgumentError` without a model)."""
+        if self._parts is None:
+            raise InvalidArgumentError("TrainState: this state has no model")
+        return self._parts
 
     # -- loading ----------------------------------------------------------------------------
 
-    def plan_load(
-        self,
-        manifest: Manifest,
-        asked: str,
-        *,
-        world_size: int,
-        allow_downgrade: bool,
-        read_value: Callable[[str], Any],
-        trees: LoadTrees | None = None,
-    ) -> LoadPlan:
-        """The highest level up to ``asked`` this snapshot gives this state, and the tree to
-        load for it; raise when ``asked`` cannot be reached and no downgrade is allowed.
-        ``trees``: this load's :meth:`load_trees`, reused rather than taken again."""
-        check_level(asked)
-        snap = _SnapshotParts(manifest)
-        if "optim" in snap.parts and manifest.find_value("optim_meta.stateless", -1) is not None:
-            snap.stateless = list(read_value("optim_meta.stateless"))
-        problems = {lvl: self._problems(lvl, snap, manifest, world_size) for lvl in LEVELS}
-        reached = None
-        for lvl in LEVELS[: level_rank(asked) + 1]:
-            if problems[lvl]:
-                break
-            reached = lvl
-        if reached is None:
-            raise IncompatibleError(
-                f"snapshot {manifest.snapshot_id} cannot restore even the weights of this state",
-                snapshot_id=manifest.snapshot_id,
-                problems=problems["weights"],
-            )
-        if reached != asked:
-            if not allow_downgrade:
-                raise IncompatibleError(
-                    f"snapshot {manifest.snapshot_id} cannot give a {asked!r} resume of this state "
-                    f"(it can give {reached!r}). Pass allow_downgrade=True to continue at "
-                    f"{reached!r}, or level={reached!r}.",
-                    snapshot_id=manifest.snapshot_id,
-                    problems=problems[asked],
-                )
-            log.warning(
-                "snapshot %s: resuming at level %r instead of %r: %s",
-                manifest.snapshot_id,
-                reached,
-                asked,
-                "; ".join(problems[asked]),
-            )
-        if reached != "strict":
-            for why in self._version_changes(manifest):
-                log.warning("snapshot %s: %s", manifest.snapshot_id, why)
-        tree = self._template(reached, snap, trees)
-        if "rng" in tree:  # before any tensor is filled in place
-            rng_mod.check_plain(read_value)
-        # Everything asked for is restored; the level said is what that gives this state.
-        reasons = list(problems[asked])
-        if level_rank(reached) > level_rank(self.level_cap()):
-            reached = self.level_cap()
-            reasons += self.level_cap_reasons()
-        self.restore_reasons = reasons
-        return LoadPlan(tree, reached, reasons)
-
-    def _problems(
-        self, level: str, snap: _SnapshotParts, manifest: Manifest, world: int
-    ) -> list[str]:
-        wanted = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
-        out = [
-            f"the snapshot has no {p} state, which this state asks for"
-            for p in wanted
-            if p not in snap.parts
-        ]
-        if level == "strict":
-            saved_world = manifest.world_size
-            if saved_world != world:
-                for p in RANK_BOUND_PARTS:
-                    if p in wanted and snap.rank_bound(p):
-                        out.append(
-                            f"the {p} state is per rank and the topology changed from "
-                            f"{saved_world} to {world} ranks"
-                        )
-            out += self._version_changes(manifest)
-            approx = manifest.meta.get("approximate")
-            if approx and "optim" in wanted:
-                out.append(
-                    "the optimizer state was stored at reduced precision (retained history, "
-                    f"{approx.get('precision', '?') if isinstance(approx, dict) else '?'})"
-                )
-            if "rng" in wanted and ("cuda" in snap.rng_devices) != torch.cuda.is_available():
-                out.append(
-                    "the snapshot's CUDA RNG state does not match this process's CUDA devices"
-                )
-        return out
-
-    def _version_changes(self, manifest: Manifest) -> list[str]:
-        saved = manifest.versions.get("user", {})
-        out = []
-        for k in VERSION_KEYS_CHECKED:
-            if k in saved and k in self.versions and saved[k] != self.versions[k]:
-                out.append(f"the {k} version changed from {saved[k]!r} to {self.versions[k]!r}")
-        return out
-
-    def _template(
-        self, level: str, snap: _SnapshotParts, trees: LoadTrees | None
-    ) -> dict[str, Any]:
-        parts = [p for p in PARTS_BY_LEVEL[level] if p in self.parts()]
-        tree: dict[str, Any] = {}
-        if "model" in parts:
-            assert self._parts is not None
-            # A load template lets torch initialise a fresh optimizer's state: its moments are
-            # the destinations of the saved ones, in the parameters' own layouts (DTensor
-            # shards); the load then replaces the whole state with the saved one.
-            with_optim = "optim" in parts
-            if trees is None:
-                templates = self._model_and_optim(with_optim, initialise=True)
-            elif not with_optim:
-                templates = trees.model, None
-            elif trees.ready and trees.optim is not None:
-                templates = trees.model, trees.optim
-            else:  # a fresh optimizer: its state is made now, to be loaded into
-                templates = trees.model, self._parts.optim_tree(initialise=True)
-            msd, osd = self._parts.exact(*templates)
-            if osd is not None:
-                stateless = set(snap.stateless)
-                for sd in self._parts.plain_optim_trees(osd):
-                    for name in list(sd["state"]):
-                        if name in stateless:
-                            del sd["state"][name]  # had no state when saved: must have none now
-                tree["optim"] = osd
-            tree["model"] = msd
-        if "scheduler" in parts:
-            sds = [s.state_dict() for s in self.schedulers]
-            tree["scheduler"] = sds if self.scheduler_is_list else sds[0]
-        if "scaler" in parts:
-            tree["scaler"] = self.scaler.state_dict()
-        if "data" in parts:
-            assert self._cursor is not None
-            tree["data"] = self._cursor.state_dict()
-        if "rng" in parts:
-            tree["rng"] = rng_mod.template()
-        if "extra" in parts:
-            tree["extra"] = self.extra
-        if "grads" in parts:
-            assert self._parts is not None
-            names = snap.grad_names
-            tree["grads"] = Exact(
-                (n, torch.zeros_like(p)) for n, p in self._parts.named_parameters() if n in names
-            )
-        return tree
+    def load_target(self) -> TrainLoad:
+        """A load of this state, as the load protocol drives it
+        (:class:`~trainsnap.state.load_target.LoadTarget`)."""
+        return TrainLoad(self)
 
     def check_loaded(self, tree: dict[str, Any]) -> None:
         """Raise unless every part of a loaded ``tree`` that can be checked without applying it
@@ -487,27 +403,13 @@ class TrainState:
         """Give every object its loaded state back (after a load filled ``tree`` and
         :meth:`check_loaded` accepted it on every rank)."""
         if "model" in tree:
-            assert self._parts is not None
-            self._parts.apply(tree["model"], tree.get("optim"))
-        if "scheduler" in tree:
-            sds = tree["scheduler"] if self.scheduler_is_list else [tree["scheduler"]]
-            for s, sd in zip(self.schedulers, sds, strict=True):
-                s.load_state_dict(sd)
-        if "scaler" in tree:
-            self.scaler.load_state_dict(tree["scaler"])
-        if "data" in tree:
-            assert self._cursor is not None
-            self._cursor.load_state_dict(tree["data"])
-        if "grads" in tree:
-            assert self._parts is not None
-            params = dict(self._parts.named_parameters())
-            for n, g in tree["grads"].items():
-                params[n].grad = g
-        if "rng" in tree:
-            rng_mod.restore(tree["rng"])  # last: nothing above may draw from it afterwards
-        if "data" in tree:
-            assert self._cursor is not None
-            self._cursor.after_restore()
+            self.model_parts().apply(tree["model"], tree.get("optim"))
+        for part in PARTS:
+            if part.name in tree:
+                part.apply(self, tree[part.name])
+        for part in PARTS:
+            if part.after is not None and part.name in tree:
+                part.after(self)
 
     # -- a Stateful for anyone else -------------------------------------------------------
 
@@ -518,29 +420,7 @@ class TrainState:
         self.apply(state_dict)
 
 
-class _SnapshotParts:
-    """What a snapshot holds, by top-level part, from its manifest's keys."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        self.m = manifest
-        keys: Sequence[tuple[str, int]] = [
-            *zip(manifest.tensor_keys, manifest.tensor_ranks.tolist(), strict=True),
-            *zip(manifest.value_keys, manifest.value_ranks.tolist(), strict=True),
-        ]
-        self.parts: set[str] = set()
-        self.per_rank: set[str] = set()
-        self.rng_devices: set[str] = set()
-        self.grad_names: set[str] = set()
-        for key, rank in keys:
-            part, _, rest = key.partition(".")
-            self.parts.add(part)
-            if rank >= 0:
-                self.per_rank.add(part)
-            if part == "rng":
-                self.rng_devices.add(rest.split(".", 1)[0])
-            if part == "grads":
-                self.grad_names.add(rest)
-        self.stateless: list[str] = []
-
-    def rank_bound(self, part: str) -> bool:
-        return part in self.per_rank
+def target_of(state: Any) -> LoadTarget:
+    """The load target of what a load is given: a :class:`TrainState`'s own, or the
+    :class:`~trainsnap.state.load_target.PlainState` of any other state."""
+    return state.load_target() if isinstance(state, TrainState) else PlainState(state)
