@@ -40,8 +40,9 @@ else drops the checkpoint's files with ``posix_fadvise(DONTNEED)``). Every phase
 rank between two barriers; throughput is the checkpoint's bytes / the slowest rank's time, given
 as mean +- stdev over the checkpoints. The first checkpoint's loads are checked bit for bit.
 trainsnap's phases (``trainsnap.trace``: capture, plan, write, commit; resolve, open, read) are
-reported per checkpoint for the slowest rank: run with ``--dp 1`` to compare a rank's fixed costs
-with one process holding the same tensors.
+reported per checkpoint for the slowest rank, with each method's process CPU time per call;
+``--profile N`` adds a cProfile of trainsnap's last save and load (each rank's calling thread).
+Run with ``--dp 1`` to compare a rank's fixed costs with one process holding the same tensors.
 
 For context, the published v3.0 results of a single node's local NVMe (8B model): 15.9 GiB/s
 write, 17.8 GiB/s read; this benchmark's small scale tests the software path on one machine.
@@ -57,7 +58,10 @@ Checkpoints live in a temporary directory under ``--dir``, removed at the end.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -309,11 +313,44 @@ def _check(rank_state: RankState, method: Method, rank: int) -> None:
     CHECKED.append(method.name)
 
 
+PROFILES: dict[str, str] = {}
+"""This rank's cProfile of trainsnap's calls (``--profile``), by metric."""
+
+
+def _profiled(operation: Callable[[], object], metric: str, top: int) -> Callable[[], object]:
+    """``operation`` under cProfile (the calling thread only: capture, plan, the exchanges and
+    the commit, not the I/O threads' reads and writes); its top ``top`` functions by own time
+    and by cumulative time go to :data:`PROFILES`."""
+
+    def run() -> None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            operation()
+        finally:
+            profiler.disable()
+        buffer = io.StringIO()
+        stats = pstats.Stats(profiler, stream=buffer).strip_dirs()
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        PROFILES[metric] = buffer.getvalue()
+
+    return run
+
+
 def _one_call(
-    method: Method, operation: Callable[[], object], results: Measurements, metric: str
+    method: Method,
+    operation: Callable[[], object],
+    results: Measurements,
+    metric: str,
+    profile: int = 0,
 ) -> None:
     first = len(trace.events())
+    if profile and method.name == "trainsnap":
+        operation = _profiled(operation, metric, profile)
+    cpu = time.process_time()
     results.add(method.name, metric, _timed(operation))
+    results.add(method.name, f"{metric}.cpu", time.process_time() - cpu)
     if method.name == "trainsnap":
         spans = _phases(first)
         for phase in SAVE_PHASES if metric == "save" else LOAD_PHASES:
@@ -321,7 +358,12 @@ def _one_call(
 
 
 def checkpoint_round(
-    rank: int, rank_state: RankState, methods: list[Method], root: Path, checkpoint: int
+    rank: int,
+    rank_state: RankState,
+    methods: list[Method],
+    root: Path,
+    checkpoint: int,
+    profile: int = 0,
 ) -> Measurements:
     import torch.distributed as dist
 
@@ -335,14 +377,14 @@ def checkpoint_round(
     results.orders.append([m.name for m in order])
     for method in order:
         save = lambda m=method: m.save(rank_state.source, directories[m.name])  # noqa: E731
-        _one_call(method, save, results, "save")
+        _one_call(method, save, results, "save", profile)
     for method in order:
         for tensor in rank_state.destination.values():
             tensor.to_local().zero_()
         dropped = drop_cache(directories[method.name]) if rank == 0 else None
         results.add(method.name, "fadvise", None if dropped is None else dropped == "fadvise")
         load = lambda m=method: m.load(rank_state.destination, directories[m.name])  # noqa: E731
-        _one_call(method, load, results, "load")
+        _one_call(method, load, results, "load", profile)
         if checkpoint == 0:
             _check(rank_state, method, rank)
         if isinstance(method, RawFiles):
@@ -370,7 +412,9 @@ def rank_main(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, A
         method.setup()
     for checkpoint in range(config["checkpoints"]):
         fill_random(rank_state, checkpoint, config["seed"])
-        one = checkpoint_round(rank, rank_state, methods, root, checkpoint)
+        last = checkpoint == config["checkpoints"] - 1
+        profile = config["profile"] if last else 0
+        one = checkpoint_round(rank, rank_state, methods, root, checkpoint, profile)
         for name, metrics in one.values.items():
             for metric, values in metrics.items():
                 results.values.setdefault(name, {}).setdefault(metric, []).extend(values)
@@ -378,7 +422,8 @@ def rank_main(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, A
     for method in methods:
         method.teardown()
     local = sum(t.to_local().nbytes for t in rank_state.source.values())
-    return {"rank": rank, "results": results, "local_bytes": local, "checked": CHECKED}
+    out = {"rank": rank, "results": results, "local_bytes": local, "checked": CHECKED}
+    return out | {"profiles": PROFILES if rank in (0, world_size - 1) else {}}
 
 
 # == in the parent =================================================================================
@@ -403,6 +448,7 @@ def run(args: Any) -> dict[str, Any]:
             "checkpoints": args.checkpoints,
             "seed": args.seed,
             "threads": tunables.get().io_threads,
+            "profile": args.profile,
         }
         timeout = 600 + 300 * args.checkpoints * nbytes / GiB
         ranks = run_ranks(
@@ -416,6 +462,7 @@ def run(args: Any) -> dict[str, Any]:
         "config": config | {"bytes": nbytes, "nparams": model.nparams()},
         "results": results,
         "local_bytes": [record["local_bytes"] for record in per_rank],
+        "profiles": {r["rank"]: r["profiles"] for r in per_rank if r["profiles"]},
         "checked": sorted(set.intersection(*(set(record["checked"]) for record in per_rank))),
     }
 
@@ -467,16 +514,19 @@ def phase_lines(out: dict[str, Any]) -> list[str]:
     results = out["results"]
     rows = []
     for metric, phases in (("save", SAVE_PHASES), ("load", LOAD_PHASES)):
-        total = results.median("trainsnap", metric)
         parts = [results.median("trainsnap", f"{metric}.{p}") for p in phases]
-        rest = total - sum(parts)
         cells = [f"{p} {1e3 * s:.1f}" for p, s in zip(phases, parts, strict=True)]
-        rows.append([metric, f"{1e3 * total:.1f}", ", ".join(cells), f"{1e3 * rest:.1f}"])
+        total = results.median("trainsnap", metric)
+        cpu = {m: results.median(m, f"{metric}.cpu") for m in METHODS}
+        rows.append(
+            [metric, f"{1e3 * total:.1f}", ", ".join(cells)] + [1e3 * cpu[m] for m in METHODS]
+        )
     return [
         "",
-        "trainsnap's phases (ms, medians over the checkpoints of the slowest rank; "
-        f"trainsnap.trace), {out['config']['layout']}",
-        format_table(["call", "total", "phases", "rest (exchanges after the phases)"], rows),
+        "trainsnap's phases (ms; each the median over the checkpoints of its slowest rank, from "
+        f"trainsnap.trace), and each method's process CPU time per call (ms, slowest rank), "
+        f"{out['config']['layout']}",
+        format_table(["call", "total", "phases"] + [f"{m} cpu" for m in METHODS], rows, digits=1),
     ]
 
 
@@ -503,6 +553,9 @@ def report(out: dict[str, Any]) -> tuple[str, list[Check]]:
         "orders: " + "; ".join(" ".join(o) for o in results.orders),
         "for context: " + PUBLISHED,
     ]
+    for rank, profiles in out["profiles"].items():
+        for metric, text in profiles.items():
+            lines += ["", f"cProfile of trainsnap's {metric}, rank {rank} (calling thread):", text]
     return "\n".join(lines), checks
 
 
@@ -514,6 +567,14 @@ def main(argv: list[str] | None = None) -> int:
         arguments.add_argument(f"--{name}", type=int, default=default)
     arguments.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
     arguments.add_argument("--checkpoints", type=int, default=5, help="checkpoints (default 5)")
+    arguments.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile trainsnap's save and load of the last checkpoint on every rank (the "
+        "calling thread) and print rank 0's and the last rank's top N functions",
+    )
 
     def validate(a: Any) -> str | None:
         if a.pp > a.layers:
