@@ -3,11 +3,13 @@
 Two parts, one process, CPU tensors:
 
 1. **Pause.** On a state of ``--gib`` GiB (fp32 and bf16 tensors of mixed sizes, from
-   ``benchmarks._framework.state.make_state``), each repetition measures, in an order rotating
+   ``benchmarks._framework.state.make_state``; with ``--tensors N``, N equal fp32 tensors),
+   each repetition measures, in an order rotating
    from one repetition to the next:
 
-   - ``memcpy``: one copy of every tensor into preallocated, already-touched tensors of the same
-     shapes (``dst.copy_(src)`` per tensor): the limit of any staging copy.
+   - ``memcpy``: one copy as every benchmark measures it (``benchmarks._framework.state.
+     OneCopy``: ``dst.copy_(src)`` of every tensor into preallocated tensors of the same shapes
+     whose pages were touched before): the limit of any staging copy.
    - ``np.copyto``: one ``np.copyto`` of a single buffer of the same total size into another
      (both touched): a second reference, one call, one thread.
    - ``trainsnap``: ``trainsnap.async_save(..., saver=<a dedicated AsyncSaver>)``:
@@ -47,6 +49,7 @@ used during each part): on a shared machine it can dominate the timings.
     python -m benchmarks.async_pause                  # 1 GiB, 5 repetitions
     python -m benchmarks.async_pause --gib 0.25 --reps 3 --json out.json
     python -m benchmarks.async_pause --skip-dcp --profile 25
+    python -m benchmarks.async_pause --tensors 64 --skip-drain   # 1 GiB of 64 tensors
     python -m benchmarks.async_pause --smoke          # tiny: does it run and verify?
 
 Snapshots live in a temporary directory under ``--dir`` (default: the system's temporary
@@ -95,11 +98,14 @@ from benchmarks._framework.report import (
     records_table,
 )
 from benchmarks._framework.state import (
+    ONE_COPY,
     GiB,
+    OneCopy,
     Tensors,
     check_bitwise_equal,
     clear_state,
     describe_state,
+    equal_state,
     make_state,
     state_nbytes,
 )
@@ -137,17 +143,17 @@ def flat_like_state(state: Tensors, align: int = 64) -> tuple[torch.Tensor, Tens
 
 
 class Memcpy(Method):
-    """One ``copy_`` of every tensor into preallocated, touched tensors: the staging limit."""
+    """One copy (``OneCopy``: ``copy_`` of every tensor into preallocated, touched tensors):
+    the staging limit."""
 
     name = label = "memcpy"
     can_load = False
 
-    def __init__(self, destination: Tensors) -> None:
-        self.destination = destination
+    def __init__(self, state: Tensors) -> None:
+        self.one = OneCopy(state)
 
     def save(self, state: Tensors, directory: Path) -> None:
-        for key, tensor in state.items():
-            self.destination[key].copy_(tensor)
+        self.one.copy(state)
 
 
 class BigCopy(Method):
@@ -277,7 +283,7 @@ def repeat_pauses(methods: list[Method], state: Tensors, root: Path, reps: int) 
 
 def measure_pause(state: Tensors, root: Path, trainsnap: Trainsnap, args: Any) -> dict[str, Any]:
     flat, destination = flat_like_state(state)
-    references: list[Method] = [Memcpy(destination), BigCopy(state_nbytes(state))]
+    references: list[Method] = [Memcpy(state), BigCopy(state_nbytes(state))]
     dcps: list[Method] = [] if args.skip_dcp else list(dcp_variants(tunables.get().io_threads))
     with set_up(dcps):
         unavailable = warm_up([trainsnap, *dcps], state, destination, root)
@@ -405,7 +411,10 @@ def run_parts(state: Tensors, root: Path, args: Any) -> dict[str, Any]:
 
 def run(args: Any) -> dict[str, Any]:
     print(f"making the state ({args.gib} GiB, seed {args.seed}) ...", flush=True)
-    state = make_state(args.gib, seed=args.seed)
+    if args.tensors:
+        state = equal_state(args.gib, args.tensors, seed=args.seed)
+    else:
+        state = make_state(args.gib, seed=args.seed)
     machine = machine_info() | {"loadavg_start": load_average()}
     description = describe_state(state)
     print(facts("machine", machine))
@@ -422,6 +431,7 @@ def run(args: Any) -> dict[str, Any]:
     machine["loadavg_end"] = load_average()
     machine["contention"] = contention(start, time.perf_counter() - started)
     config = {"gib": args.gib, "reps": args.reps, "seed": args.seed, "skip_dcp": args.skip_dcp}
+    config["tensors"] = args.tensors
     config["io_threads"] = machine["io_threads"]
     return out | {"machine": machine, "config": config, "state": description}
 
@@ -478,11 +488,12 @@ def report_pause(out: dict[str, Any]) -> tuple[list[str], list[Check]]:
     )
     table, rest = comparison.lines[0], comparison.lines[1:]
     lines = ["", "part 1: pause (seconds the caller is blocked; median)", table]
-    lines.append(
+    lines += [
+        f"  memcpy: {ONE_COPY}",
         "  pause: trainsnap: handle.pause; dcp: until async_save returns (dcp-background: until "
         "staging_completion); call: wall time of ts.async_save; returned: when async_save "
-        "returned; drain: from the end of the pause to the commit, the caller idle"
-    )
+        "returned; drain: from the end of the pause to the commit, the caller idle",
+    ]
     lines += [f"  {name}: {label}" for name, label in pause["labels"].items()]
     lines += [
         f"  {name}: unavailable here: {why}" for name, why in pause["dcp_unavailable"].items()
@@ -564,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
         "--skip-dcp", action="store_true", help="no torch.distributed.checkpoint"
     )
     arguments.add_argument("--skip-drain", action="store_true", help="part 1 only")
+    arguments.add_argument(
+        "--tensors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a state of N equal fp32 tensors instead of the mixed one (50 large + 2,000 small)",
+    )
     arguments.add_argument(
         "--around",
         type=int,

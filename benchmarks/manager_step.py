@@ -17,8 +17,9 @@ Every call of ``mgr.step`` is timed:
   processes).
 - **pause**: a step that saves (local tier, or both tiers). Its time is what training waits for:
   the capture and the staging copy; the writes drain in the background. Beside it, ``memcpy``:
-  one copy of every tensor into preallocated, already-touched tensors of the same shapes, the
-  floor of any staging copy, measured one step after each save (the same moment's machine).
+  one copy (``benchmarks._framework.state.OneCopy``, as every benchmark measures it: ``copy_``
+  of every tensor into preallocated tensors whose pages were touched before), the floor of any
+  staging copy, measured one step after each save (the same moment's machine).
 
 The first ``2 * --every`` steps warm the pools and are not counted. Each of ``--reps``
 repetitions runs ``--steps`` steps in a fresh pair of roots; reported are the medians over all
@@ -44,19 +45,19 @@ import trainsnap as ts
 from benchmarks._framework import cli
 from benchmarks._framework.method import median
 from benchmarks._framework.report import emit, facts
-from benchmarks._framework.state import MiB, Tensors, empty_like_state, make_state, state_nbytes
+from benchmarks._framework.state import (
+    ONE_COPY,
+    MiB,
+    OneCopy,
+    Tensors,
+    make_state,
+    state_nbytes,
+)
 from benchmarks._framework.system import fresh_dir, load_average, machine_info, scratch_root
 
 
-def _copy_seconds(state: Tensors, copies: Tensors) -> float:
-    start = time.perf_counter()
-    for key, tensor in state.items():
-        copies[key].copy_(tensor)
-    return time.perf_counter() - start
-
-
 def _run(
-    state: Tensors, copies: Tensors, directory: Path, steps: int, every: int, step_s: float
+    state: Tensors, copies: OneCopy, directory: Path, steps: int, every: int, step_s: float
 ) -> dict[str, list[float]]:
     """Seconds of each counted ``mgr.step`` call, by kind (``idle``, ``pause``), and of a
     memory copy of the state taken at each step after a save (``copy``: the same moment's
@@ -83,7 +84,7 @@ def _run(
                 times["pause" if saved else "idle"].append(seconds)
                 if saved:
                     time.sleep(step_s)
-                    times["copy"].append(_copy_seconds(state, copies))
+                    times["copy"].append(copies.seconds(state))
     finally:
         mgr.close()
     return times
@@ -91,8 +92,7 @@ def _run(
 
 def measure(args: Any) -> dict[str, Any]:
     state = make_state(args.mib * MiB / (1 << 30), small_tensors=200, seed=args.seed)
-    copies = empty_like_state(state)
-    _copy_seconds(state, copies)  # touch the destination's pages
+    copies = OneCopy(state)
     idle: list[float] = []
     pause: list[float] = []
     copy: list[float] = []
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pause / memcpy": f"{result['pause_over_memcpy']:.2f}",
                 },
             ),
+            f"memcpy, {ONE_COPY}",
         ]
     )
     emit(result, text, args.json)

@@ -16,8 +16,9 @@ scheduler.
 
 In each form, every rank:
 
-1. **One memory copy** of its part of the state (``copy_`` of every tensor into preallocated,
-   touched tensors), timed 5 times; the median of the slowest rank is *the copy*.
+1. **One memory copy** of its part of the state (``benchmarks._framework.state.OneCopy``, as
+   every benchmark measures one copy: ``copy_`` of every tensor into preallocated tensors whose
+   pages were touched before), timed 5 times; the median of the slowest rank is *the copy*.
 2. **Steps.** A compute-bound step (``benchmarks._framework.compute.Compute``: fp32 matmuls)
    sized to ``--factor`` (default 25) times the copy. Each repetition runs ``--steps`` steps
    with no snapshot and ``--steps`` steps each followed by ``mgr.step(step, state)`` of a
@@ -76,7 +77,7 @@ from benchmarks._framework import cli
 from benchmarks._framework.compute import Compute
 from benchmarks._framework.method import Measurements, median, rotated
 from benchmarks._framework.report import Check, Target, emit, facts, format_table, verdicts
-from benchmarks._framework.state import MiB, Tensors, describe_state, make_state
+from benchmarks._framework.state import ONE_COPY, MiB, OneCopy, Tensors, describe_state, make_state
 from benchmarks._framework.system import (
     contention,
     cpu_times,
@@ -133,15 +134,12 @@ def _sharded(part: Tensors, rank: int, world: int) -> dict[str, Any]:
 
 def _copy_seconds(part: Tensors, world: int) -> list[float]:
     """``COPIES`` timed copies of ``part`` into touched tensors, all ranks at once."""
-    destination = {key: torch.zeros_like(tensor) for key, tensor in part.items()}
+    one = OneCopy(part)  # the destination allocated and touched
     times = []
-    for _ in range(COPIES + 1):  # the first is a warm-up
+    for _ in range(COPIES):
         _barrier(world)
-        start = time.perf_counter()
-        for key, tensor in part.items():
-            destination[key].copy_(tensor)
-        times.append(_slowest(world, time.perf_counter() - start))
-    return times[1:]
+        times.append(_slowest(world, one.seconds(part)))
+    return times
 
 
 def _disk_read_seconds(directory: str) -> float:
@@ -495,6 +493,7 @@ def report(out: dict[str, Any]) -> tuple[str, list[Check]]:
         f"{out['config']['reps']} repetitions of {out['config']['steps']} steps, step = "
         f"{factor:g}x one memory copy; memory tier under {out['config']['memory_base']}; "
         f"load average at start {machine['loadavg_start']}, at end {machine['loadavg_end']}",
+        ONE_COPY,
     ]
     checks: list[Check] = []
     for form in out["forms"]:

@@ -305,3 +305,13 @@ def test_compare_alternates_and_reports_every_number(tmp_path: Path) -> None:
     numbers = json.loads(results.read_text())["numbers"]
     assert numbers["saving_steps"] == {"old": 4.0, "new": 4.0, "new_over_old": 1.0}
     assert numbers["pause_s"]["new"] > 0
+
+
+def test_mlperf_checkpointing(tmp_path: Path) -> None:
+    text, out = run_benchmark("mlperf_checkpointing", tmp_path)  # 2 ranks, ZeRO-3
+    assert_measured(out["results"], ["raw", "dcp", "trainsnap"], ["save", "load"])
+    assert_measured(out["results"], ["trainsnap"], ["save.write", "load.read"])
+    assert out["checked"] == ["dcp", "raw", "trainsnap"]
+    assert len(out["local_bytes"]) == 2 and sum(out["local_bytes"]) == out["config"]["bytes"]
+    labels = [f"trainsnap / {other} {op}" for other in ("raw", "dcp") for op in ("write", "read")]
+    assert_verdicts(text, labels)

@@ -634,3 +634,20 @@ def test_a_threshold_of_zero_or_one_gives_every_payload_objects_of_its_own(
         [(2, 0, 2)],
         [(2, 2, 1)],
     ]
+
+
+def test_a_rank_whose_top_level_keys_interleave_is_assigned_by_its_own_entry_order() -> None:
+    # Assignment indices refer to a rank's entries as it described them (its writer looks them
+    # up there): a description grouped by top-level key must not reorder interleaved keys
+    # (model.a, optim.a, model.b, ... as a state built parameter by parameter is).
+    keys = ["model.a", "optim.a.master", "model.b", "optim.b.master", "extra"]
+    metas = [
+        RankMeta.pack(rank, 1, [entry(k, (4, 2), Box((2 * rank, 0), (2, 2))) for k in keys], [])
+        for rank in range(2)
+    ]
+    for meta in metas:
+        assert [e.key for e in flat_entries(meta, {})] == keys
+    plan = plan_save(metas, "s")
+    for meta, assignment in zip(metas, plan.assignments, strict=True):
+        flat = flat_entries(meta, plan.decoded)
+        assert sorted(flat[index].key for index, _ in assignment.entries) == sorted(keys)

@@ -8,6 +8,7 @@ them, fp32 and bf16, deterministic for a seed.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -93,6 +94,18 @@ def make_state(gib: float = 1.0, *, small_tensors: int = 2000, seed: int = 0) ->
     return state
 
 
+def equal_state(gib: float, count: int, *, seed: int = 0) -> Tensors:
+    """``count`` fp32 tensors of equal size, about ``gib`` GiB in all (``layers.<i>.weight``,
+    1024 columns), deterministic for a given ``seed``."""
+    if gib <= 0 or count < 1:
+        raise ValueError(f"gib must be positive and count at least 1, got {gib}, {count}")
+    generator = torch.Generator().manual_seed(seed)
+    rows = _rows(int(gib * GiB) // count, 1024, torch.float32)
+    return {
+        f"layers.{i}.weight": _random((rows, 1024), torch.float32, generator) for i in range(count)
+    }
+
+
 def state_nbytes(state: Tensors) -> int:
     return sum(tensor.nbytes for tensor in state.values())
 
@@ -117,6 +130,31 @@ def describe_state(state: Tensors) -> dict[str, Any]:
 def empty_like_state(state: Tensors) -> Tensors:
     """Preallocated (and touched) destinations of the same shapes and dtypes."""
     return {key: torch.zeros_like(tensor) for key, tensor in state.items()}
+
+
+ONE_COPY = (
+    "one copy: copy_ of every tensor into preallocated tensors of the same shapes whose pages "
+    "were touched before (a warm copy: no page faults, no allocation)"
+)
+"""How every benchmark measures "one copy" of a state (and says so in its output)."""
+
+
+class OneCopy:
+    """The reference every pause and memory tier cost is measured against: :data:`ONE_COPY`.
+    The destination is allocated and touched (a first copy) here, once."""
+
+    def __init__(self, state: Tensors) -> None:
+        self.destination = empty_like_state(state)
+        self.copy(state)
+
+    def copy(self, state: Tensors) -> None:
+        for key, tensor in state.items():
+            self.destination[key].copy_(tensor)
+
+    def seconds(self, state: Tensors) -> float:
+        start = time.perf_counter()
+        self.copy(state)
+        return time.perf_counter() - start
 
 
 def clear_state(state: dict[str, Any]) -> None:

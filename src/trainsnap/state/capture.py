@@ -13,7 +13,9 @@ gets its state dict back through ``load_state_dict`` after filling.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import (
     Callable,
@@ -307,38 +309,37 @@ def _checkpointable_item(key: str, tensor: Any) -> TensorItem:
     return TensorItem(key, local, global_shape, Box(offsets, sizes), declared=True)
 
 
-_Layout = tuple[int, tuple[int, ...], tuple[Any, ...]]
-"""(id of a device mesh, global shape, placements)."""
+_BoxKey = tuple[tuple[int, ...], tuple[Any, ...]]
+_BOXES: weakref.WeakKeyDictionary[Any, dict[_BoxKey, Box]] = weakref.WeakKeyDictionary()
+"""This process's boxes by device mesh, then (global shape, placements): a mesh's coordinates
+never change, so a box once worked out holds for every later walk, save and load alike. Keyed
+weakly: a mesh dropped by the job takes its boxes with it."""
 
 
 class DTensorBoxes:
-    """DTensor local shards as boxes of their global tensors, for one walk of a state.
+    """DTensor local shards as boxes of their global tensors.
 
     ``Shard(d)``, ``Replicate()`` and the ``_StridedShard`` of FSDP2 over tensor parallelism, in
     any mix, uneven shards included; the box is torch's own
     (``compute_local_shape_and_global_offset``, as DCP uses). It is worked out once per mesh,
-    global shape and placements: a model's layers share a handful of layouts, and torch's
-    computation with its placement checks is Python work per tensor that a distributed load
-    would otherwise pay for every DTensor on each walk before its first read (docs/PERFORMANCE.md
-    has the figures). O(distinct layouts) calls to torch a walk. The memo holds each mesh it keys
-    on, so that no mesh made and dropped during the walk can pass its id to another."""
-
-    def __init__(self) -> None:
-        self._memo: dict[_Layout, tuple[Any, Box]] = {}
+    global shape and placements and process: a model's layers share a handful of layouts, and
+    torch's computation with its placement checks is Python and tensor work per call (it makes
+    small tensors, which wait for the intra-op threads) that every save and every load would
+    otherwise pay for each DTensor before its first byte moves (docs/PERFORMANCE.md has the
+    figures). O(distinct layouts) calls to torch a process; O(1) dictionary lookups a tensor."""
 
     def item(self, key: str, tensor: Any) -> TensorItem:
         mesh, placements, shape = tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape)
-        layout: _Layout | None = (id(mesh), shape, placements)
         try:
-            hit = self._memo.get(layout)  # type: ignore[arg-type]
-        except TypeError:  # a placement that cannot be hashed: not remembered
-            layout, hit = None, None
-        if hit is not None:
-            box = hit[1]
-        else:
+            known = _BOXES.get(mesh)
+            box = None if known is None else known.get((shape, placements))
+        except TypeError:  # a mesh or placement that cannot be hashed: not remembered
             box = self._box(key, mesh, placements, shape)
-            if layout is not None:
-                self._memo[layout] = (mesh, box)
+        else:
+            if box is None:
+                box = self._box(key, mesh, placements, shape)
+                with contextlib.suppress(TypeError):
+                    _BOXES.setdefault(mesh, {})[(shape, placements)] = box
         # Without autograd, to_local is the local tensor itself, not a differentiable view (an
         # autograd function call per tensor); loading fills it in place, saving reads it.
         with torch.no_grad():
