@@ -156,9 +156,7 @@ class PowerCutFS:
         """Lose power now; the number of events before the cut."""
         return int(self._ask("cut"))
 
-    def fail(
-        self, op: str, match: str = "", *, error: int = errno.EIO, times: int = -1
-    ) -> None:
+    def fail(self, op: str, match: str = "", *, error: int = errno.EIO, times: int = -1) -> None:
         """Make ``op`` (a FUSE operation name: ``fsyncdir``, ``fsync``, ``write``, ``rename``
         ...) fail with ``error`` on paths containing ``match``, ``times`` times (-1: always)."""
         self._ask("fail", {"op": op, "match": match, "errno": error, "times": times})
