@@ -4,7 +4,9 @@ then waits to be killed; ``restore`` restarts and prints what it restored, as JS
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,16 +35,21 @@ def manager(durable: str, shm: str, node: int) -> ts.CheckpointManager:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on demand
     mode, rank, world, node = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     durable, shm, progress = sys.argv[5], sys.argv[6], Path(sys.argv[7])
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     mgr = manager(durable, shm, node)
     if mode == "train":
-        for step in range(1, 1000):
-            mgr.step(step, part(step, rank, world))
-            mgr.wait()
-            progress.write_text(str(step))
-            time.sleep(0.2)
+        try:
+            for step in range(1, 1000):
+                mgr.step(step, part(step, rank, world))
+                mgr.wait()
+                progress.write_text(str(step))
+                time.sleep(0.2)
+        except ts.TrainsnapError as e:  # a partition: the save fails within the bound
+            print(json.dumps({"error": str(e)[:500], "at": time.time()}), flush=True)
+            sys.exit(3)
     start = time.monotonic()
     dest = {
         "w": ts.Sharded(
