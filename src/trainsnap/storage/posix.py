@@ -23,6 +23,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 
 from trainsnap import faults
+from trainsnap.errors import TrainsnapError
 from trainsnap.storage.base import (
     Buffer,
     NotRegularFileError,
@@ -353,12 +354,21 @@ class PosixStorage:
                     yield str(Path(dirpath) / name)
 
     def delete(self, key: str) -> None:
+        """Remove ``key``. A snapshot's file (marker, manifest, report) is gone durably when
+        this returns: its directory is fsynced, and so is the parent of each directory removed
+        once empty, so that a marker's removal can never be undone by a power cut after the
+        objects it referenced are swept. The sync happens also when the file was already
+        absent (an earlier attempt may have stopped before it). An object's removal is not
+        synced (a removal a cut undoes leaves garbage for the next collection, never a broken
+        snapshot); syncing would cost a journal commit per object."""
         path = self._path(key)
         _unlink_quiet(path)
         if not key.startswith("snapshots/"):
             return  # object directories stay: a concurrent put may be about to use them
-        # Remove the snapshot's directory once it is empty.
         parent = path.parent
+        if self.fsync:
+            self._fsync_nearest(parent)
+        # Remove the snapshot's directory once it is empty.
         while parent != self.root and self.root in parent.parents:
             try:
                 parent.rmdir()
@@ -367,6 +377,16 @@ class PosixStorage:
             with self._lock:
                 self._durable_dirs.discard(parent)
             parent = parent.parent
+            if self.fsync:
+                _fsync_dir(parent)
+
+    def _fsync_nearest(self, directory: Path) -> None:
+        """Fsync ``directory``, or where it is missing its nearest existing ancestor inside the
+        root (whose entries then hold the removal)."""
+        while not directory.is_dir() and directory != self.root and self.root in directory.parents:
+            directory = directory.parent
+        if directory.is_dir():
+            _fsync_dir(directory)
 
 
 def _split_at(bufs: list[memoryview], count: int) -> tuple[list[memoryview], list[memoryview]]:
@@ -413,17 +433,37 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             view = view[n:]
 
 
+_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+"""What a file system that cannot fsync a directory answers: its names are as durable as it
+makes them, and nothing better can be done."""
+
+
 def _fsync_dir(data: Path) -> None:
+    """Make the names in directory ``data`` durable. Every failure but "not supported" is
+    raised: an EIO, ENOSPC or EROFS here means a rename or removal may not survive a power cut,
+    so the put or delete that needed it has not happened durably and must not report success.
+    The error is never retried as transient: after a failed fsync the kernel may have dropped
+    what it could not write, and a second fsync would succeed without it."""
     try:
         fd = os.open(data, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
+    except OSError as e:
+        raise _sync_error(data, e, "open") from e
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support fsync on directories
+    except OSError as e:
+        if e.errno not in _FSYNC_UNSUPPORTED:
+            raise _sync_error(data, e, "fsync") from e
     finally:
         os.close(fd)
+
+
+def _sync_error(data: Path, error: OSError, what: str) -> TrainsnapError:
+    return TrainsnapError(
+        f"cannot make the entries of directory {data} durable ({what} failed: "
+        f"{error.strerror or error}); what was just written or removed there may not survive a "
+        "power cut. Check the device and the file system (dmesg), then save again.",
+        path=str(data),
+    )
 
 
 def _unlink_quiet(pending: Path) -> None:

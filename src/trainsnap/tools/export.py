@@ -511,6 +511,8 @@ def write_export(
         raise
     removed += _remove_stale_shards(out, plan)
     _fsync_dir(out)
+    for directory in made:  # deepest first: each new directory's entry lives in its parent
+        _fsync_dir(directory.parent)
     if removed:
         log.info("removed files of a previous export from %s: %s", out, ", ".join(removed))
     log.info(
