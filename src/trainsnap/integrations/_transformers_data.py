@@ -86,6 +86,11 @@ def _set_state(gen: torch.Generator | None, state: torch.Tensor) -> None:
         gen.set_state(state)
 
 
+def _draws_from_generator(sampler: Any) -> bool:
+    """Whether ``sampler`` takes a ``generator`` attribute and draws its order from it."""
+    return isinstance(sampler, RandomSampler) and hasattr(sampler, "generator")
+
+
 def _direct(sampler: Any) -> bool:
     """Whether the order of ``sampler`` can be computed here exactly as its ``__iter__``
     draws it: torch's own code, not a subclass that changes it (accelerate's seedable one
@@ -212,6 +217,10 @@ class DataPosition:
             )
         self.epoch_start = state["epoch_start"]
         gen = _order_generator(rec.sampler)
+        if gen is None and state["generator"] is not None and _draws_from_generator(rec.sampler):
+            # Saved on several processes (accelerate gave the sampler a generator), resumed on
+            # one (it gives none): the order continues from the saved generator.
+            gen = rec.sampler.generator = torch.Generator()
         if gen is not None and state["generator"] is not None:
             gen.set_state(state["generator"])
         if state["sampler_epoch"] is not None and hasattr(rec.sampler, "epoch"):

@@ -51,7 +51,7 @@ from trainsnap.protocol.snapshot_info import SnapshotInfo
 from trainsnap.state import rng as rng_mod
 from trainsnap.state.train_state import TrainState
 
-__all__ = ["TrainsnapArguments", "TrainsnapMixin", "TrainsnapTrainer", "export_pretrained"]
+__all__ = ["TrainsnapArguments", "TrainsnapMixin", "TrainsnapTrainer", "write_config"]
 
 log = logging.getLogger(__name__)
 
@@ -437,26 +437,22 @@ def _eval_name(metric: str) -> str:
     return metric if metric.startswith("eval_") else f"eval_{metric}"
 
 
-def export_pretrained(
-    root: str, snapshot: str, out_dir: str | os.PathLike[str], **kwargs: Any
-) -> str:
-    """Write snapshot ``snapshot`` (an id or ``"latest"``) of ``root`` as a directory that
-    ``from_pretrained`` loads: the model's weights as safetensors (``trainsnap export``) and the
-    ``config.json`` the snapshot recorded. ``kwargs`` go to the safetensors export (``dtype``,
-    ``max_shard_size``). Returns ``out_dir``."""
-    from trainsnap.tools.export import export_safetensors
-
-    export_safetensors(root, snapshot, out_dir, **kwargs)
-    config = read(root, snapshot, keys=f"extra.{TRAINER_KEY}.config")["extra"][TRAINER_KEY]
-    if config.get("config") is None:
+def write_config(root: str, snapshot: str, out_dir: str | os.PathLike[str]) -> str:
+    """Write the ``config.json`` that snapshot ``snapshot`` (an id or ``"latest"``) of ``root``
+    recorded into ``out_dir``: next to the weights ``trainsnap export ROOT ID OUT --format
+    safetensors`` writes, ``from_pretrained(out_dir)`` loads the model. Returns the file."""
+    saved = read(root, snapshot, keys=f"extra.{TRAINER_KEY}.config")["extra"][TRAINER_KEY]
+    if saved.get("config") is None:
         raise InvalidArgumentError(
             f"snapshot {snapshot} of {root} recorded no model config (the model has no "
-            "`config`); write config.json yourself next to the exported weights",
+            "`config`); write config.json next to the exported weights yourself",
             snapshot_id=snapshot,
         )
-    with open(os.path.join(os.fspath(out_dir), "config.json"), "w", encoding="utf-8") as f:
-        f.write(config["config"])
-    return os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(os.fspath(out_dir), "config.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(saved["config"])
+    return path
 
 
 class TrainsnapTrainer(TrainsnapMixin, Trainer):
