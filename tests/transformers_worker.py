@@ -156,3 +156,71 @@ def train(
         "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "best": trainer.state.best_model_checkpoint,
     }
+
+
+def outputs(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The Trainer's outputs with snapshots: the best checkpoint (tracked, kept by retention,
+    loaded at the end), ``save_model``, an export that ``from_pretrained`` loads; and what a
+    resume refuses."""
+    from transformers import GPT2LMHeadModel, TrainingArguments, set_seed
+
+    import trainsnap as ts
+    from trainsnap.integrations.transformers import TrainsnapTrainer, write_config
+    from trainsnap.tools.export import export_safetensors
+
+    set_seed(0)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="loss",
+        load_best_model_at_end=True,
+        save_total_limit=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    trainer = TrainsnapTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=Recorded(),
+        eval_dataset=Recorded(),
+        data_collator=Collate([]),
+    )
+    trainer.train()
+    root = trainer.snapshot_root
+    best = trainer.state.best_model_checkpoint
+    best_id = os.path.basename(best)
+    saved = ts.read(root, best_id, keys="model")["model"]
+    live = trainer.model.state_dict()
+    trainer.save_model(os.path.join(out, "final"))
+    final = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
+    export = os.path.join(out, "export")
+    export_safetensors(root, best_id, export)
+    write_config(root, best_id, export)
+    exported = GPT2LMHeadModel.from_pretrained(export).state_dict()
+    refusals = {}
+    for wanted, where in ((True, os.path.join(out, "empty")), (os.path.join(out, "final"), out)):
+        args.output_dir = where
+        try:
+            trainer.train(resume_from_checkpoint=wanted)
+        except ts.NotFoundError as e:
+            refusals[str(wanted)] = str(e)
+    return {
+        "best": best,
+        "best_step": trainer.state.best_global_step,
+        "best_is_dir": os.path.isdir(best),
+        "kept": [s.step for s in ts.list_snapshots(root)],
+        "loaded_best": all(torch.equal(live[k], saved[k]) for k in saved),
+        "saved_model": all(torch.equal(final[k], live[k]) for k in final),
+        "exported": all(torch.equal(exported[k], saved[k]) for k in exported),
+        "refusals": refusals,
+    }

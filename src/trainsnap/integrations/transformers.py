@@ -96,7 +96,7 @@ class _TrainerProgress:
         # Before the loop starts (a restore's template) the loss counters do not exist yet.
         tr_loss = getattr(trainer, "_tr_loss", None)
         return {
-            "state": json.dumps(dataclasses.asdict(trainer.state), sort_keys=True),
+            "state": _state_json(trainer.state),
             "tr_loss": torch.zeros(()) if tr_loss is None else tr_loss.detach().clone(),
             "total_loss": float(getattr(trainer, "_total_loss_scalar", 0.0)),
             "last_logged": int(getattr(trainer, "_globalstep_last_logged", 0)),
@@ -105,6 +105,17 @@ class _TrainerProgress:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Nothing: the resume read this part before the objects it restores existed."""
+
+
+_PER_PROCESS = ("is_local_process_zero", "is_world_process_zero")
+"""``TrainerState`` fields that differ between processes; the Trainer sets them again on
+resume (``init_training_references``), and without them the state is the same on every
+process, so it is stored once and follows the run onto another number of processes."""
+
+
+def _state_json(state: Any) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(state).items() if k not in _PER_PROCESS}
+    return json.dumps(fields, sort_keys=True)
 
 
 def _config_json(model: Any) -> str | None:
