@@ -53,7 +53,11 @@ def _assert_continues(reference: dict[str, Any], resumed: dict[str, Any], step: 
     assert _same_weights(resumed["weights"], reference["weights"])
 
 
-@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "own-generator"])
+@pytest.mark.parametrize(
+    "seedable",
+    [pytest.param(True, marks=pytest.mark.slow), False],
+    ids=["seedable-sampler", "own-generator"],
+)
 def test_a_sigkilled_two_process_trainer_resumes_bit_for_bit(tmp_path: Path, seedable: bool):
     reference = _ok(2, tmp_path / "reference", seedable=seedable)
     _killed(2, tmp_path / "run", seedable=seedable, kill_at=KILL_AT)
@@ -63,10 +67,12 @@ def test_a_sigkilled_two_process_trainer_resumes_bit_for_bit(tmp_path: Path, see
         _assert_continues(reference[rank], resumed[rank], KILL_AT)
 
 
-def test_a_kill_in_the_middle_of_a_save(tmp_path: Path):
-    """The stock Trainer, killed after writing the model and optimizer of checkpoint-4, resumes
-    from that half-written directory (and fails); trainsnap, killed before the marker of the
-    step-4 snapshot, resumes from step 2, and the run is bit for bit the uninterrupted one."""
+@pytest.mark.slow
+def test_the_stock_trainer_killed_in_the_middle_of_a_save_resumes_from_the_half_written_one(
+    tmp_path: Path,
+):
+    """What the snapshot fixes: killed after writing the model and optimizer of checkpoint-4,
+    the stock Trainer's next resume picks that directory (and fails)."""
     stock = tmp_path / "stock"
     _killed(1, stock, kind="stock", kill_at=KILL_AT, kill_in_save="stock")
     assert not (stock / "checkpoint-4" / "trainer_state.json").exists()
@@ -74,6 +80,10 @@ def test_a_kill_in_the_middle_of_a_save(tmp_path: Path):
     failed = _run(1, stock, kind="stock", resume=True)
     assert failed[0].error is not None and "checkpoint-4/trainer_state.json" in failed[0].error
 
+
+def test_a_kill_in_the_middle_of_a_save_resumes_from_the_previous_snapshot(tmp_path: Path):
+    """Killed before the marker of the step-4 snapshot, the run resumes from step 2, bit for
+    bit the uninterrupted one."""
     reference = _ok(1, tmp_path / "reference")
     run = tmp_path / "run"
     crash = {"TRAINSNAP_FAULTS": "before_marker=crash#2"}  # the second save: step 4
