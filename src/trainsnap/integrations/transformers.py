@@ -198,14 +198,16 @@ class TrainsnapMixin:
     # -- train, resume ---------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``, saving snapshots; returns once every save is committed
+        (the manager is closed: its lease released, its signal handlers removed)."""
+        resume = self._ts_find(resume_from_checkpoint)
         manager = self._ts_open()
-        self._ts_resume = self._ts_find(resume_from_checkpoint)
-        self.restored = None
+        self._ts_resume, self.restored = resume, None
         try:
             return super().train(None, *args, **kwargs)  # type: ignore[misc]
         finally:
-            self._ts_resume = None
-            manager.wait()
+            self._ts_resume, self.manager = None, None
+            manager.close()
 
     def _ts_find(self, wanted: Any) -> SnapshotInfo | None:
         """The committed snapshot ``resume_from_checkpoint`` names (None: no resume)."""
