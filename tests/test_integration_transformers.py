@@ -102,6 +102,19 @@ def test_a_kill_in_the_middle_of_a_save_resumes_from_the_previous_snapshot(tmp_p
     _assert_continues(reference[0], resumed, 2)
 
 
+@pytest.mark.slow
+def test_a_sigkilled_one_process_trainer_without_the_seedable_sampler_resumes_bit_for_bit(
+    tmp_path: Path,
+):
+    """On one process accelerate gives the sampler no generator: each epoch's order comes from
+    torch's global generator, whose state at the epoch's start the cursor keeps."""
+    reference = _ok(1, tmp_path / "reference", seedable=False)[0]
+    _killed(1, tmp_path / "run", seedable=False, kill_at=KILL_AT)
+    resumed = _ok(1, tmp_path / "run", seedable=False, resume=True)[0]
+    assert resumed["restored"] == (KILL_AT, "strict")
+    _assert_continues(reference, resumed, KILL_AT)
+
+
 def _global_order(per_rank: list[list[int]], batch: int) -> list[int]:
     """The samples of every micro-step over all processes, in order: each process's batch of
     that micro-step, process by process (accelerate gives process r every r-th batch)."""
