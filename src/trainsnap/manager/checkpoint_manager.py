@@ -41,9 +41,9 @@ newest (:mod:`trainsnap.manager.memory_restore`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
-import math
 import os
 import signal
 import statistics
@@ -64,7 +64,7 @@ from trainsnap.errors import (
     TrainsnapError,
 )
 from trainsnap.format.manifest import Manifest, id_step, level_rank
-from trainsnap.manager import collection, lease, memory_restore, restarts
+from trainsnap.manager import collection, lease, memory_restore, progress, restarts
 from trainsnap.manager.decisions import Decisions
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
@@ -74,6 +74,7 @@ from trainsnap.manager.policies import (
     as_retention,
     as_save_policies,
 )
+from trainsnap.manager.progress import ProgressRecorder
 from trainsnap.manager.quantize import quantize_history
 from trainsnap.manager.tiers import Tier, open_local, promote
 from trainsnap.protocol import commit
@@ -167,7 +168,7 @@ class CheckpointManager:
             staging_budget=options.staging_budget,
         )
         self._restored_at: float | None = None
-        self._last_progress = -math.inf
+        self._progress: ProgressRecorder | None = None
         self._decisions = Decisions(self.comm, next(_manager_seq), options.decision_seconds)
         self._housekeeper = Housekeeper(options.after_commit_queue)
         self._gate = SaveGate()
@@ -223,7 +224,7 @@ class CheckpointManager:
             gen,
             "start",
             interval=repr(self.policies),
-            progress_seconds=self.options.progress_seconds,
+            **progress.start_fields(self.options.progress_seconds, self.storage),
         )
         self.observed_mtbf, _ = lease.observed_mtbf(lease.events(self.storage))
 
@@ -421,8 +422,8 @@ class CheckpointManager:
     # -- the loop ---------------------------------------------------------------------------
 
     def _note_progress(self, step: int, now: float) -> None:
-        """(coordinator) The restart log's view of how far this run got: the first step after a
-        restore, and this run's progress record at most every ``progress_seconds``."""
+        """(coordinator) The restart log's first step after a restore (how far the run got is
+        recorded when ``step()`` returns: :mod:`trainsnap.manager.progress`)."""
         if not self.comm.is_coordinator or self.generation is None:
             return
         if self._restored_at is not None:
@@ -430,16 +431,6 @@ class CheckpointManager:
             first = lambda: self._record("first_step", step=step, seconds=seconds)  # noqa: E731
             self._housekeeper.submit("recording the first step", first)
             self._restored_at = None
-        if now - self._last_progress >= self.options.progress_seconds:
-            generation = self.generation
-            record = lambda: lease.record_progress(self.storage, generation, step)  # noqa: E731
-            if self.options.progress_seconds <= 0:
-                # Every step asked for: written here, so that a kill loses no record and the
-                # restart log's lost work is exact (one small store write a step).
-                lease.record_progress(self.storage, generation, step)
-                self._last_progress = now
-            elif self._housekeeper.submit("recording progress", record, wait=False):
-                self._last_progress = now
 
     def _window(self, info: StepInfo) -> int:
         """(coordinator) Steps to the next decision step: about ``decision_seconds`` of
@@ -456,7 +447,19 @@ class CheckpointManager:
         returns True if it saved. After a preemption save, :attr:`preempted` is True. Raises
         the error of after-commit work (promotion, retention, collection) that failed since the
         last call. A step that does not save makes no control-plane operation except at a
-        decision step (see the module docstring)."""
+        decision step (see the module docstring). The restart log counts ``step`` as reached
+        once this returns (:mod:`trainsnap.manager.progress`)."""
+        saved = self._step(step, state, metrics)
+        if self._progress is None and self.comm.is_coordinator and self.generation is not None:
+            submit = functools.partial(self._housekeeper.submit, wait=False)
+            self._progress = ProgressRecorder(
+                self.storage, self.generation, self.options.progress_seconds, submit
+            )
+        if self._progress is not None:
+            self._progress.returned(step, saved=saved)
+        return saved
+
+    def _step(self, step: int, state: Any, metrics: Mapping[str, float] | None) -> bool:
         self._check_open()
         self._housekeeper.raise_error()
         now = time.monotonic()
@@ -697,7 +700,7 @@ class CheckpointManager:
             self._closed = True
             self._restore_signals()
             if self.comm.is_coordinator and self.generation is not None:
-                self._record("close")
+                self._record("close", step=self._progress.reached if self._progress else None)
                 for tier in self._tiers():
                     tier.release()
 

@@ -39,9 +39,12 @@ class ManagerOptions:
     quantize_history: bool = False
     """Keep the optimizer state of retained snapshots other than the newest at bfloat16
     precision (recorded as approximate: they restore at ``training``)."""
-    progress_seconds: float = 30.0
+    progress_seconds: float | None = None
     """How often the coordinator records how far the run got (one small object per run,
-    overwritten): the resolution of the lost work a crash's restart reports."""
+    overwritten): the resolution of the lost work a crash's restart reports. 0: before every
+    ``step()`` returns (exact lost work, one store write a step on the training thread); None:
+    every step in the background on a file-system root, every 30 s on an object store
+    (:mod:`trainsnap.manager.progress`)."""
     decision_seconds: float = 1.0
     """How often, in seconds of training, the ranks of a multi-process job look for a shared
     decision (a clock or measured interval, a preemption signal): the coordinator publishes
