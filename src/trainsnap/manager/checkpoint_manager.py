@@ -65,6 +65,7 @@ from trainsnap.errors import (
 )
 from trainsnap.format.manifest import Manifest, id_step, level_rank
 from trainsnap.manager import collection, lease, memory_restore, progress, restarts
+from trainsnap.manager.between_saves import run_before_next_save
 from trainsnap.manager.decisions import Decisions
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
@@ -571,6 +572,8 @@ class CheckpointManager:
         promote_to = self.durable if (tier == "durable" and self.local is not None) else None
         opts.fence = target.fence if self.comm.is_coordinator else None
         self._housekeeper.raise_error()
+        if self.async_save:
+            self.saver.wait_for_room()  # counted by the gate from its start, not while waiting
         token = self._gate.begin() if self.comm.is_coordinator else 0
         if self.comm.is_coordinator:
             opts.on_commit = lambda m, n: self._committed(token, target, promote_to, m, n)
@@ -620,10 +623,12 @@ class CheckpointManager:
         )
         if promote_to is not None:
             self._promoting.add(manifest.snapshot_id)
-        self._housekeeper.submit(
-            f"after-commit work of snapshot {manifest.snapshot_id}",
-            lambda: self._after_commit(tier, promote_to, manifest, bytes_written),
-        )
+        what = f"after-commit work of snapshot {manifest.snapshot_id}"
+        work = lambda: self._after_commit(tier, promote_to, manifest, bytes_written)  # noqa: E731
+        if promote_to is None and self.local is None and tier is self.durable:
+            run_before_next_save(self._housekeeper, what, work)  # disk within n + 1 snapshots
+        else:
+            self._housekeeper.submit(what, work)
 
     def _after_commit(
         self, tier: Tier, promote_to: Tier | None, manifest: Manifest, bytes_written: int
