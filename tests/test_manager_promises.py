@@ -65,3 +65,36 @@ def test_keep_last_holds_disk_within_n_plus_one_snapshots_with_a_save_every_step
     assert max(sizes) <= 3 * snapshot, [s / snapshot for s in sizes]
     assert _bytes_under(tmp_path / "objects") <= 2 * snapshot
     assert [s.step for s in ts.list_snapshots(tmp_path)] == [18, 19]
+
+
+def test_memory_replicas_that_cannot_go_to_distinct_nodes_are_refused(tmp_path: Path) -> None:
+    """Why: ``MemoryTier(replicas=1)`` in one process (one node) committed with no partner copy,
+    although a memory snapshot is documented to commit only once every object has 1 + replicas
+    copies on distinct nodes."""
+    state = {"w": torch.ones(4)}
+    tier = ts.MemoryTier(root=str(tmp_path / "shm"), replicas=1)
+    mgr = ts.CheckpointManager(tmp_path / "durable", memory=tier, async_save=False)
+    with pytest.raises(ts.InvalidArgumentError) as caught:
+        mgr.step(1, state)
+    message = str(caught.value)
+    for fix in ("at least 2 nodes", "replicas=0", "allow_fewer_copies=True", "GROUP_RANK"):
+        assert fix in message, message
+    mgr.close()
+    assert not list((tmp_path / "shm").rglob("COMMITTED"))  # nothing committed
+    fewer = ts.MemoryTier(root=str(tmp_path / "shm2"), replicas=1, allow_fewer_copies=True)
+    with ts.CheckpointManager(tmp_path / "durable2", memory=fewer, async_save=False) as opted:
+        assert opted.step(1, state)
+
+
+def test_every_tier_reads_the_node_from_the_same_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why: ``MemoryTier`` read ``GROUP_RANK`` before ``NODE_RANK``, ``LocalTier`` the other way
+    round: with both set, the two tiers of one process took different nodes."""
+    from trainsnap.manager import memory_nodes, placement, tiers
+
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "0")
+    assert memory_nodes.this_node(None) == placement.node_from_environment("x") == 1
+    local = tiers.open_local(
+        [ts.open_storage("memory://a"), ts.open_storage("memory://b")], None, False, None
+    )
+    assert local.node == 1  # type: ignore[attr-defined]

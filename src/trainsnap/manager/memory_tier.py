@@ -66,6 +66,7 @@ from trainsnap.manager.memory_nodes import (
 from trainsnap.manager.memory_promotion import Promoter
 from trainsnap.manager.memory_route import SaveRoute
 from trainsnap.manager.options import MemoryTier
+from trainsnap.manager.placement import check_copies
 from trainsnap.protocol import commit, replication
 from trainsnap.protocol.collective import all_reduce
 from trainsnap.protocol.control_plane import Comm, LocalComm, StoreComm
@@ -142,6 +143,8 @@ class MemorySaves:
         self.topology, self.generation = gather_topology(
             self.comm, self.node, o.replicas, o.domains, generation
         )
+        nodes = len(set(self.topology.nodes))
+        check_copies(nodes, o.replicas, allow_fewer_copies=o.allow_fewer_copies)
         if self.is_leader:
             self.present = take_over(self.storage, self.job, self.generation)
 

@@ -96,7 +96,8 @@ class LocalTier:
     """With per-node roots, also keep each node's objects on the next node, so the local tier
     survives the loss of one node."""
     node: int | None = None
-    """This process's node (default: ``NODE_RANK`` or ``GROUP_RANK`` from the environment)."""
+    """This process's node (default: ``GROUP_RANK``, else ``NODE_RANK``, from the environment:
+    :mod:`trainsnap.manager.placement`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,15 +117,19 @@ class MemoryTier:
     processes (not the node)."""
     replicas: int = 1
     """Copies of each node's objects kept on other nodes (0: none; a node loss then loses the
-    memory tier). Fewer nodes than ``1 + replicas`` keep one copy on each node."""
+    memory tier). A job on fewer nodes than ``1 + replicas`` is refused (an
+    ``InvalidArgumentError`` at the first restore or save) unless ``allow_fewer_copies``."""
+    allow_fewer_copies: bool = False
+    """On fewer nodes than ``1 + replicas``, keep one copy on each node instead of refusing
+    (e.g. one node: the memory tier then survives a crash of the processes, not of the node)."""
     keep: int = 2
     """Committed memory snapshots kept per node: the newest one stays complete while the next
     is written."""
     interval: Any = field(default_factory=lambda: Every(steps=1))
     """When to take a memory snapshot (the forms of the manager's ``interval``)."""
     node: int | None = None
-    """This process's node (default: ``GROUP_RANK`` or ``NODE_RANK`` from the environment, as
-    torchrun sets them)."""
+    """This process's node (default: ``GROUP_RANK``, else ``NODE_RANK``, from the environment:
+    :mod:`trainsnap.manager.placement`)."""
     domains: Sequence[int] | None = None
     """The failure domain (rack, power feed) of each node, by node id: a node's partners are the
     next nodes in ring order outside its domain where there are such nodes."""

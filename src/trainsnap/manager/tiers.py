@@ -25,6 +25,7 @@ from trainsnap import faults
 from trainsnap.errors import InvalidArgumentError, TrainsnapError
 from trainsnap.format.manifest import manifest_key, marker_key, object_key
 from trainsnap.manager import lease
+from trainsnap.manager.placement import node_from_environment
 from trainsnap.manager.policies import Candidate, Retention, to_delete
 from trainsnap.protocol import commit
 from trainsnap.storage import open_storage
@@ -42,7 +43,7 @@ class NodeTier:
         if not roots or not 0 <= node < len(roots):
             raise InvalidArgumentError(
                 f"node {node} outside the {len(roots)} node roots: LocalTier(node=) must be "
-                f"0 to {len(roots) - 1}, or unset to take NODE_RANK"
+                f"0 to {len(roots) - 1}, or unset to take GROUP_RANK, else NODE_RANK"
             )
         self.roots = list(roots)
         self.node = node
@@ -230,5 +231,5 @@ def open_local(
         return open_storage(root, **dict(options or {}))
     roots = [open_storage(r, **dict(options or {})) for r in root]
     if node is None:
-        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+        node = node_from_environment("LocalTier(node=...)")
     return open_storage(NodeTier(roots, node, partner=partner))
