@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-from s3_fixture import S3Root
 
 import trainsnap as ts
+from s3_fixture import S3Root
 
 
 def test_list_delete_and_verify_take_storage_options(s3_root: S3Root) -> None:

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from trainsnap._version import __version__
 from trainsnap.errors import IncompleteError, InvalidArgumentError, TrainsnapError
+from trainsnap.tools import _roots
 from trainsnap.tools._console import (
     byte_progress,
     growing_progress,
@@ -28,7 +29,6 @@ from trainsnap.tools._console import (
     say,
     stdout_console,
 )
-from trainsnap.tools import _roots
 from trainsnap.tools._roots import existing_snapshot, open_root, resolve_snapshot
 
 if TYPE_CHECKING:
