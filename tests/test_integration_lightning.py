@@ -574,3 +574,17 @@ def test_torch_load_of_a_pointer_says_what_it_is_and_earlier_json_pointers_still
     )
     back = load_from_checkpoint(Spawned, tmp_path / "old.ckpt")
     assert torch.equal(back.net.weight, module.net.weight)
+
+
+def test_a_directory_as_ckpt_path_is_refused_without_leaking_its_descriptor(tmp_path):
+    """Why: a directory given as ``ckpt_path`` raised a bare ``IsADirectoryError`` naming a
+    file-descriptor number, and the descriptor leaked (5 attempts: 6 -> 11 open fds)."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    io = TrainsnapCheckpointIO(root=str(tmp_path / "snapshots"))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(ts.TrainsnapError, match="a directory") as caught:
+            io.load_checkpoint(directory)
+        assert str(directory) in str(caught.value)
+    assert len(os.listdir("/proc/self/fd")) == before
