@@ -18,6 +18,7 @@ import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -269,6 +270,20 @@ def _marking(exchange: _Exchange) -> _Exchange:
     return cast(_Exchange, run)
 
 
+_live_sessions: weakref.WeakSet[StoreSession] = weakref.WeakSet()
+"""Sessions whose heartbeat may still run: stopped when the interpreter exits."""
+
+
+def _stop_heartbeats_at_exit() -> None:
+    """Stop every heartbeat thread before the interpreter joins its threads: a session left open
+    (its process exiting on an error) must not keep the process alive, nor abort it."""
+    for session in list(_live_sessions):
+        session._stop.set()
+
+
+threading._register_atexit(_stop_heartbeats_at_exit)  # type: ignore[attr-defined]
+
+
 class StoreSession:
     """One save's or load's exchanges. Publishes this rank's heartbeat until closed.
 
@@ -307,7 +322,14 @@ class StoreSession:
         self._stop = threading.Event()
         self._beat_key = self._heartbeat_key(comm.rank)
         self.store.add(self._beat_key, 1)
-        self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat", daemon=True)
+        # Not a daemon: the heartbeat spends its time in store calls (C++, the GIL released).
+        # A daemon thread still in one when the interpreter finalizes is stopped by CPython
+        # with pthread_exit as it retakes the GIL, and that forced unwind through the binding's
+        # noexcept GIL guard aborts the process ("terminate called without an active
+        # exception", SIGABRT) after a clean close(). So exit stops every heartbeat
+        # (_stop_heartbeats_at_exit) and waits for each to leave its store call.
+        self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat")
+        _live_sessions.add(self)
         self._beater.start()
 
     def _heartbeat_key(self, rank: int) -> str:
