@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import trainsnap as ts
@@ -128,3 +129,22 @@ def test_a_memory_tier_crash_reports_a_reach_never_before_the_restored_step(
     assert [first["step_reached"], second["step_reached"]] == [8, 13]
     assert second["restored_step"] == 6 <= first["step_reached"]
     assert (second["lost_steps"], second["lost_is_lower_bound"]) == (8 - 6, True)
+
+
+def test_a_step_whose_call_did_not_return_is_not_reached(tmp_path: Path) -> None:
+    """Why: the step whose ``mgr.step`` blocked (or failed) was counted as reached: the progress
+    record was written when the call began."""
+    from trainsnap.manager import lease
+
+    mgr = ts.CheckpointManager(
+        tmp_path,
+        interval=ts.Every(steps=2),
+        async_save=False,
+        options=ts.ManagerOptions(progress_seconds=0.0, preemption_signals=()),
+    )
+    mgr.step(1, {"w": torch.ones(2)})
+    with pytest.raises(ts.TrainsnapError):
+        mgr.step(2, {"w": object()})  # its save fails: step() never returns
+    (record,) = lease.progress(ts.open_storage(tmp_path)).values()
+    assert record["step"] == 1
+    mgr.close()
