@@ -41,7 +41,7 @@ Submit = Callable[[str, Callable[[], None]], bool]
 def on_file_system(storage: Storage) -> bool:
     """Whether ``storage`` keeps its objects in a file system (a write is no billed request)."""
     url = str(getattr(storage, "url", ""))
-    return url.startswith(("file://", "memory://")) or url.startswith("/")
+    return "://" not in url or url.startswith(("file://", "memory://"))
 
 
 def spacing(progress_seconds: float | None, storage: Storage) -> float:
