@@ -79,10 +79,13 @@ def _four_ranks(root: Path) -> list[tuple[int, str]]:
     return out
 
 
+TRIALS = int(os.environ.get("TRAINSNAP_TEARDOWN_TRIALS", "2"))
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(180 * TRIALS + 60)
 def test_four_rank_startups_and_closes_exit_without_an_abort(tmp_path: Path) -> None:
-    trials = int(os.environ.get("TRAINSNAP_TEARDOWN_TRIALS", "2"))
-    for trial in range(trials):
+    for trial in range(TRIALS):
         for rank, (code, err) in enumerate(_four_ranks(tmp_path / f"trial-{trial}")):
             assert code == 0 and "terminate called" not in err, (trial, rank, code, err[-2000:])
 
