@@ -367,7 +367,7 @@ def test_a_url_default_root_dir_puts_every_checkpoint_in_that_store_and_nothing_
     pointer = f"{url}/checkpoints/{pointer.rsplit('/', 1)[-1]}"
     root, snapshot = read_pointer(pointer, options)
     assert root.rstrip("/") == f"{url}/checkpoints/trainsnap"
-    assert [s.id for s in ts.list_snapshots(root, **options)] == [snapshot]
+    assert [s.id for s in ts.list_snapshots(root, storage_options=options)] == [snapshot]
     assert fs.ls(f"{base}/checkpoints/trainsnap/snapshots")  # the snapshot is in the store
     # Resumed from the store; an explicit trainer.save_checkpoint goes there too.
     io = TrainsnapCheckpointIO(storage_options=options)
