@@ -271,12 +271,10 @@ def _marking(exchange: _Exchange) -> _Exchange:
 
 
 _live_sessions: weakref.WeakSet[StoreSession] = weakref.WeakSet()
-"""Sessions whose heartbeat may still run: stopped when the interpreter exits."""
 
 
 def _stop_heartbeats_at_exit() -> None:
-    """Stop every heartbeat thread before the interpreter joins its threads: a session left open
-    (its process exiting on an error) must not keep the process alive, nor abort it."""
+    """Before exit joins threads: a session left open must not keep the process alive."""
     for session in list(_live_sessions):
         session._stop.set()
 
@@ -322,12 +320,8 @@ class StoreSession:
         self._stop = threading.Event()
         self._beat_key = self._heartbeat_key(comm.rank)
         self.store.add(self._beat_key, 1)
-        # Not a daemon: the heartbeat spends its time in store calls (C++, the GIL released).
-        # A daemon thread still in one when the interpreter finalizes is stopped by CPython
-        # with pthread_exit as it retakes the GIL, and that forced unwind through the binding's
-        # noexcept GIL guard aborts the process ("terminate called without an active
-        # exception", SIGABRT) after a clean close(). So exit stops every heartbeat
-        # (_stop_heartbeats_at_exit) and waits for each to leave its store call.
+        # Not a daemon: one in a store call (C++) at finalization is stopped by pthread_exit,
+        # whose unwind through a noexcept GIL guard aborts (SIGABRT); exit stops and joins it.
         self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat")
         _live_sessions.add(self)
         self._beater.start()
