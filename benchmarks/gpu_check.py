@@ -222,7 +222,9 @@ def _memory_tier(
     compute, count = _device_matmuls(device, factor * copy_s)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
     tier_root = Path(tempfile.mkdtemp(prefix="trainsnap-gpu-memory-", dir=shm))
-    tier = ts.MemoryTier(root=str(tier_root), interval=ts.Every(steps=1), wait_if_busy=True)
+    tier = ts.MemoryTier(
+        root=str(tier_root), interval=ts.Every(steps=1), wait_if_busy=True, allow_fewer_copies=True
+    )
     options = ts.ManagerOptions(preemption_signals=())
     durable = workdir / "memory-durable"
     medians: dict[str, list[float]] = {"none": [], "memory": []}

@@ -162,6 +162,7 @@ def _manager(config: dict[str, Any], rank: int, *, memory: bool) -> ts.Checkpoin
             node=rank,
             interval=ts.Every(steps=1),
             wait_if_busy=True,
+            allow_fewer_copies=True,  # the 1-process run: one node, one copy
         )
     root = config["durable"] if memory else config["disk"]
     options = ts.ManagerOptions(timeout=config["timeout"], preemption_signals=())

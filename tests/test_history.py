@@ -173,7 +173,7 @@ def _crash_then_restart(progress_seconds: float | None) -> list[dict[str, Any]]:
         {"time": 5.0, "generation": 1, "kind": "save", "snapshot": "a", "step": 40, "pause": 0.01},
         {"time": 20.0, "generation": 2, "kind": "start", "progress_seconds": 30.0},
         {"time": 23.0, "generation": 2, "kind": "restore", "snapshot": "a", "step": 40},
-        {"time": 60.0, "generation": 2, "kind": "close"},
+        {"time": 60.0, "generation": 2, "kind": "close", "step": 40},
     ]
 
 
@@ -193,7 +193,7 @@ def test_lost_work_is_a_lower_bound_unless_every_step_was_recorded() -> None:
     assert any("at least" in line for line in render.history_totals(job))
 
 
-def _table_rows(job: restarts.History, width: int = 100) -> list[list[str]]:
+def _table_rows(job: restarts.History, width: int = 80) -> list[list[str]]:
     console = Console(width=width, record=True, file=io.StringIO())
     console.print(render.history_table(job.runs))
     text = console.export_text()
@@ -202,8 +202,9 @@ def _table_rows(job: restarts.History, width: int = 100) -> list[list[str]]:
     return [line.split() for line in lines[3:] if line.strip()]
 
 
-def test_history_fits_100_columns_with_seconds_to_useful_precision() -> None:
-    """Why: `history` printed a 137-column table and "Young 0 s, Daly 0 s" (rounded away)."""
+def test_history_fits_80_columns_with_seconds_to_useful_precision() -> None:
+    """Why: `history` printed a 137-column table (then 96 at 80 columns) and "Young 0 s, Daly
+    0 s" (rounded away)."""
     events = _crash_then_restart(30.0)
     events[3].update(seconds=0.0123, since_start=2.5, level="training")
     events[1]["snapshot"] = events[3]["snapshot"] = "step-000000000040-0123abcd"
@@ -211,13 +212,21 @@ def test_history_fits_100_columns_with_seconds_to_useful_precision() -> None:
     events.append({"time": 24.0, "generation": 2, "kind": "first_step", "seconds": 0.25})
     job = restarts.history(events, {1: {"step": 47, "time": 12.0}})
     rows = _table_rows(job)
-    assert len(rows) == 2  # one line per run: nothing wrapped at 100 columns
+    assert len(rows) == 2  # one line per run: nothing wrapped at 80 columns
     assert rows[1][:7] == ["2", *rows[1][1:3], "close", "40", "40", "training"]
-    assert rows[1][-3:] == ["7", "0.0123", "0.25"]  # lost s, restore s, to step s
+    assert rows[1][-2:] == [">=7", "7"]  # lost, lost s
+    assert rows[0][4] == ">=47"  # the crashed run's reach: a lower bound
+    console = Console(width=80, record=True, file=io.StringIO())
+    table = render.restarts_table(job.runs)
+    assert table is not None
+    console.print(table)
+    restart_rows = [line.split() for line in console.export_text().splitlines()[3:]]
+    assert restart_rows[0][-4:] == [">=7", "0.0123", "0.25", "11"]  # RTO: 12 s -> 23 s
     totals = "\n".join(render.history_totals(job))
     assert job.young_seconds is not None and job.young_seconds < 1
     assert f"Young {job.young_seconds:.3g} s" in totals and "Young 0 s" not in totals
-    assert all(len(line) <= 100 for line in (*render.HISTORY_NOTES, *totals.splitlines()))
+    notes = (*render.HISTORY_NOTES, *render.RESTART_NOTES, *totals.splitlines())
+    assert all(len(line) <= 80 for line in notes)
 
 
 def test_an_exit_without_close_counts_alike_in_table_and_totals() -> None:
@@ -292,19 +301,18 @@ def test_each_restart_says_where_it_restored_from_and_its_rto() -> None:
     for run in restarted:
         assert run.lost_steps == 1 and run.restore_seconds == 1.25
         assert run.rto_seconds == 10.0 + 3.0  # last progress 10 s before the start, restore 3 s
-    console = Console(width=100, record=True, file=io.StringIO())
+    console = Console(width=80, record=True, file=io.StringIO())
     table = render.restarts_table(job.runs)
     assert table is not None
     console.print(table)
     text = console.export_text()
-    assert all(len(line) <= 100 for line in text.splitlines()), text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
     rows = [line.split() for line in text.splitlines()[3:] if line.strip()]
-    assert rows[1][:5] == ["3", "40", "memory", "(partner)", "500"]
-    assert rows[1][-3:] == [">=1", "1.25", "13"]  # lost steps (at least), restore s, RTO s
+    assert rows[1][:6] == ["3", "40", "memory", "(partner", "node)", "500"]
+    assert rows[1][-4:] == [">=1", "1.25", "-", "13"]  # lost (at least), restore, to step, RTO
     assert [row[2] for row in rows] == ["memory", "memory", "local", "durable", "-"]
     assert render.restarts_table(job.runs[:1]) is None  # no restart, no table
-    assert all(len(line) <= 100 for line in render.RESTART_NOTES)
-    assert job.as_dict()["runs"][2]["restored_from"] == "memory (partner)"
+    assert job.as_dict()["runs"][2]["restored_from"] == "memory (partner node)"
 
 
 def _memory_ranks(rank: int, world: int, root: str, memory: str, kill_at: int) -> int | None:
@@ -345,7 +353,7 @@ def test_history_says_which_memory_restarts_took_shards_from_a_partner(tmp_path:
         assert all(r.killed and not r.timed_out for r in results), [r.describe() for r in results]
     runs = _history_json(root)["runs"]
     assert [r["restored_step"] for r in runs] == [None, 6, 9]
-    assert [r["restored_from"] for r in runs[1:]] == ["memory (own node)", "memory (partner)"]
+    assert [r["restored_from"] for r in runs[1:]] == ["memory (this node)", "memory (partner node)"]
     assert runs[1]["partner_bytes"] == 0 and runs[2]["partner_bytes"] == 4 * 8 * 4
     assert [r["lost_steps"] for r in runs[1:]] == [7 - 6, 11 - 9]
     for run in runs[1:]:
@@ -353,4 +361,4 @@ def test_history_says_which_memory_restarts_took_shards_from_a_partner(tmp_path:
     cmd = [sys.executable, "-m", "trainsnap.tools.cli", "history", str(root)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "restarts (one per restore)" in out.stdout, out.stderr
-    assert "memory (partner)" in out.stdout
+    assert "memory (partner node)" in out.stdout

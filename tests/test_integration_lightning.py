@@ -367,7 +367,7 @@ def test_a_url_default_root_dir_puts_every_checkpoint_in_that_store_and_nothing_
     pointer = f"{url}/checkpoints/{pointer.rsplit('/', 1)[-1]}"
     root, snapshot = read_pointer(pointer, options)
     assert root.rstrip("/") == f"{url}/checkpoints/trainsnap"
-    assert [s.id for s in ts.list_snapshots(root, **options)] == [snapshot]
+    assert [s.id for s in ts.list_snapshots(root, storage_options=options)] == [snapshot]
     assert fs.ls(f"{base}/checkpoints/trainsnap/snapshots")  # the snapshot is in the store
     # Resumed from the store; an explicit trainer.save_checkpoint goes there too.
     io = TrainsnapCheckpointIO(storage_options=options)
@@ -574,3 +574,17 @@ def test_torch_load_of_a_pointer_says_what_it_is_and_earlier_json_pointers_still
     )
     back = load_from_checkpoint(Spawned, tmp_path / "old.ckpt")
     assert torch.equal(back.net.weight, module.net.weight)
+
+
+def test_a_directory_as_ckpt_path_is_refused_without_leaking_its_descriptor(tmp_path):
+    """Why: a directory given as ``ckpt_path`` raised a bare ``IsADirectoryError`` naming a
+    file-descriptor number, and the descriptor leaked (5 attempts: 6 -> 11 open fds)."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    io = TrainsnapCheckpointIO(root=str(tmp_path / "snapshots"))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(ts.TrainsnapError, match="a directory") as caught:
+            io.load_checkpoint(directory)
+        assert str(directory) in str(caught.value)
+    assert len(os.listdir("/proc/self/fd")) == before

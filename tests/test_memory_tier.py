@@ -370,7 +370,9 @@ def test_a_tmpfs_too_small_is_refused_with_the_numbers(tmp_path, monkeypatch):
         lambda p: real(p)._replace(free=1000),  # type: ignore[attr-defined]
     )
     mgr = ts.CheckpointManager(
-        tmp_path / "durable", memory=ts.MemoryTier(root=str(tmp_path / "shm")), async_save=False
+        tmp_path / "durable",
+        memory=ts.MemoryTier(root=str(tmp_path / "shm"), allow_fewer_copies=True),
+        async_save=False,
     )
     with pytest.raises(ts.InvalidArgumentError) as refused:
         mgr.step(1, _small(1))
@@ -383,7 +385,7 @@ def test_a_tmpfs_too_small_is_refused_with_the_numbers(tmp_path, monkeypatch):
 
 
 def test_another_jobs_or_a_superseded_writers_snapshots_are_never_restored(tmp_path):
-    memory = ts.MemoryTier(root=str(tmp_path / "shm"))
+    memory = ts.MemoryTier(root=str(tmp_path / "shm"), allow_fewer_copies=True)
     with ts.CheckpointManager(tmp_path / "durable", memory=memory, async_save=False) as mgr:
         for step in (1, 2):
             mgr.step(step, _small(step))
@@ -413,7 +415,9 @@ def test_a_memory_step_while_the_previous_save_is_in_flight_is_skipped_or_waits(
     faults.install("before_marker=delay:0.3")
     try:
         for wait in (False, True):
-            memory = ts.MemoryTier(root=str(tmp_path / f"shm-{wait}"), wait_if_busy=wait)
+            memory = ts.MemoryTier(
+                root=str(tmp_path / f"shm-{wait}"), wait_if_busy=wait, allow_fewer_copies=True
+            )
             with ts.CheckpointManager(tmp_path / f"durable-{wait}", memory=memory) as mgr:
                 saved = [mgr.step(step, _small(step)) for step in range(1, 7)]
                 assert mgr.memory is not None

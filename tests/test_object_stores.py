@@ -173,7 +173,7 @@ def test_save_load_verify_delete_on_azure_and_gcs(cloud_root: AzRoot | GcsRoot) 
         step: ts.save(state, cloud_root.url, step=step, storage_options=cloud_root.options)
         for step, state in states.items()
     }
-    listed = ts.list_snapshots(cloud_root.url, **cloud_root.options)
+    listed = ts.list_snapshots(cloud_root.url, storage_options=cloud_root.options)
     assert [(s.id, s.step) for s in listed] == [(infos[1].id, 1), (infos[2].id, 2)]
     for step, state in states.items():
         dst = {"w": torch.zeros(64, 33), "b": torch.zeros(7), "meta": {"step": -1}}
@@ -183,8 +183,10 @@ def test_save_load_verify_delete_on_azure_and_gcs(cloud_root: AzRoot | GcsRoot) 
     report = ts.verify(cloud_root.open())
     assert report.ok
     assert sorted(s.id for s in report.snapshots) == sorted(i.id for i in infos.values())
-    ts.delete(cloud_root.url, infos[1].id, **cloud_root.options)
-    assert [s.step for s in ts.list_snapshots(cloud_root.url, **cloud_root.options)] == [2]
+    ts.delete(cloud_root.url, infos[1].id, storage_options=cloud_root.options)
+    assert [
+        s.step for s in ts.list_snapshots(cloud_root.url, storage_options=cloud_root.options)
+    ] == [2]
     with pytest.raises(NotFoundError, match=infos[1].id):
         ts.load(
             {"w": torch.zeros(64, 33), "b": torch.zeros(7), "meta": {}},

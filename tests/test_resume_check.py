@@ -191,3 +191,71 @@ def test_a_save_leaves_the_rng_and_the_data_cursor_as_they_were(tmp_path, kind):
         return out
 
     assert draws(set()) == draws({0, 3})
+
+
+# -- a real crash, NaN, the likely cause, bad arguments ----------------------------------------
+
+
+def _stateful_run() -> LoopRun:
+    return LoopRun("stateful")
+
+
+def test_a_real_crash_in_a_fresh_process_resumes_exactly_and_finds_a_planted_drift():
+    """Why: the check simulated the crash in its own process only, where a global or a cache of
+    the first run could hide a resume that a real restart breaks."""
+    report = check_resume(_stateful_run, LoopRun.step, steps=10, restore_after=4, crash="process")
+    report.assert_exact()
+    drift = check_resume(NoisyRun, NoisyRun.step, steps=10, restore_after=4, crash="process")
+    assert (drift.equal, drift.step, drift.where) == (False, 5, "loss")
+
+
+class NanRun:
+    """A loop whose loss is NaN at every step, bitwise the same in every run."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.state = ts.TrainState(
+            model=torch.nn.ParameterDict({"w": self.w}),
+            extra={"nan": float("nan")},
+            no_data_order=True,
+        )
+
+    def step(self, i: int) -> torch.Tensor:
+        with torch.no_grad():
+            self.w.add_(1.0)
+        return torch.tensor(float("nan")) * self.w.sum()
+
+
+def test_nan_losses_of_bitwise_equal_runs_are_equal():
+    """Why: the check reported a drift for NaN losses (and NaN values) in runs that are bitwise
+    equal (NaN != NaN)."""
+    report = check_resume(NanRun, NanRun.step, steps=6, restore_after=2)
+    report.assert_exact()
+
+
+def test_the_report_names_the_likely_cause():
+    """Why: the report named where the runs part, not why; a user had to guess."""
+    noisy = check_resume(NoisyRun, NoisyRun.step, steps=8, restore_after=3)
+    assert "RNG the state does not hold" in noisy.cause and "likely cause" in str(noisy)
+    from trainsnap.testing.resume_check import likely_cause
+
+    assert "data order" in likely_cause("data.consumed")
+    assert "loop-owned counter" in likely_cause("scheduler.last_epoch")
+    assert "RNG stream" in likely_cause("rng.torch")
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"steps": 5, "restore_after": 4},
+        {"steps": 5, "restore_after": -1},
+        {"steps": 5, "restore_after": 1.5},
+        {"steps": 5, "restore_after": 1, "level": "exact"},
+        {"steps": 5, "restore_after": 1, "crash": "thread"},
+    ],
+)
+def test_bad_arguments_are_invalid_argument_errors(arguments):
+    """Why: a bad ``restore_after`` raised a plain ``ValueError``."""
+    with pytest.raises(ts.InvalidArgumentError, match="check_resume"):
+        check_resume(_stateful_run, LoopRun.step, **arguments)

@@ -151,6 +151,19 @@ class AsyncSaver:
                     h._observed = True
                     raise h._error
 
+    def wait_for_room(self) -> None:
+        """Wait until fewer than ``max_in_flight`` saves are in flight (raising the first
+        background error not yet raised), unless ``skip_if_busy``: the next :meth:`save` then
+        starts at once. A caller that counts saves from their start (the manager's collector
+        gate) calls this first, so that a save waiting for room is not counted as in flight."""
+        self._reap(raise_errors=True)
+        while not self.skip_if_busy and self.in_flight() >= self.max_in_flight:
+            with self._lock:
+                oldest = next((h for h in self._inflight if not h._outcome.is_set()), None)
+            if oldest is not None:
+                oldest._outcome.wait()
+            self._reap(raise_errors=True)
+
     def save(
         self, state: Any, storage: Storage, opts: SaveRequest, comm: Comm, *, alone: bool = False
     ) -> SaveHandle | None:

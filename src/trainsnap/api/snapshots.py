@@ -324,12 +324,15 @@ def read(
     return out["tree"]
 
 
-def delete(root: Root, snapshot_id: str, **storage_options: Any) -> None:
+def delete(
+    root: Root, snapshot_id: str, *, storage_options: Mapping[str, Any] | None = None
+) -> None:
     """Delete a snapshot of ``root``: its marker first (from then on it is not committed and is
     never read), then its manifest. Its objects stay until a collection (``trainsnap gc``, or a
     manager's) finds them unreferenced, so deleting never breaks another snapshot that shares
-    them. ``NotFoundError`` if ``root`` holds no such snapshot, committed or not."""
-    storage = open_storage(root, **storage_options)
+    them. ``NotFoundError`` if ``root`` holds no such snapshot, committed or not.
+    ``storage_options`` go to the store as for :func:`save`."""
+    storage = open_storage(root, **dict(storage_options or {}))
     if snapshot_id not in commit.snapshot_ids(storage):
         raise NotFoundError(
             f"snapshot {snapshot_id} does not exist in {storage.url}; `trainsnap ls` lists the "
@@ -341,7 +344,10 @@ def delete(root: Root, snapshot_id: str, **storage_options: Any) -> None:
     log.info("deleted snapshot %s of %s", snapshot_id, storage.url)
 
 
-def list_snapshots(root: Root, **storage_options: Any) -> list[SnapshotInfo]:
-    """Committed snapshots of ``root``, oldest step first."""
-    storage = open_storage(root, **storage_options)
+def list_snapshots(
+    root: Root, *, storage_options: Mapping[str, Any] | None = None
+) -> list[SnapshotInfo]:
+    """Committed snapshots of ``root``, oldest step first. ``storage_options`` go to the store
+    as for :func:`save`."""
+    storage = open_storage(root, **dict(storage_options or {}))
     return [SnapshotInfo.from_marker(c.marker, storage.url) for c in commit.list_committed(storage)]

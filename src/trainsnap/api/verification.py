@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -271,11 +271,15 @@ def verify_snapshot(
 
 
 def verify_root(
-    root: str | Storage, snapshot_id: str | None = None, progress: Progress | None = None
+    root: str | Storage,
+    snapshot_id: str | None = None,
+    progress: Progress | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Verify one snapshot, or every snapshot of the root; never raises for what it finds."""
     t0 = time.perf_counter()
-    storage = open_storage(root)
+    storage = open_storage(root, **dict(storage_options or {}))
     report = VerifyReport(storage.url)
     if snapshot_id is not None:
         ids = [snapshot_id]
@@ -306,9 +310,15 @@ def verify_root(
     return report
 
 
-def verify(root: str | Storage, snapshot_id: str | None = None) -> VerifyReport:
+def verify(
+    root: str | Storage,
+    snapshot_id: str | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> VerifyReport:
     """Verify and return the report when all is well; raise the matching
-    :class:`~trainsnap.TrainsnapError` kind, listing every problem, otherwise."""
-    report = verify_root(root, snapshot_id)
+    :class:`~trainsnap.TrainsnapError` kind, listing every problem, otherwise.
+    ``storage_options`` go to the store as for :func:`~trainsnap.save`."""
+    report = verify_root(root, snapshot_id, storage_options=storage_options)
     report.raise_if_problems()
     return report

@@ -187,13 +187,17 @@ def _read_bounded(text: str, options: dict[str, Any]) -> bytes:
             raise _not_found(text) from None
         except IsADirectoryError:
             raise _not_a_pointer(text, "a directory") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:  # checked on the descriptor, closed on every path (a directory opens on Linux)
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise _not_a_pointer(text, "a directory")
             if not stat.S_ISREG(st.st_mode):
                 raise _not_a_pointer(text, "not a regular file (a FIFO, a device?)")
             if st.st_size > POINTER_MAX_BYTES:
                 raise _not_a_pointer(text, f"{st.st_size} bytes")
-            data = f.read(POINTER_MAX_BYTES + 1)
+            data = os.read(fd, POINTER_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
     if len(data) > POINTER_MAX_BYTES:
         raise _not_a_pointer(text, f"more than {POINTER_MAX_BYTES} bytes")
     return data

@@ -256,7 +256,7 @@ class TrainsnapCheckpointIO(CheckpointIO):
 
     def _drop(self, root: Root, snapshot_id: str, pointer: str, options: dict[str, Any]) -> None:
         try:
-            delete(root, snapshot_id, **options)
+            delete(root, snapshot_id, storage_options=options)
         except NotFoundError:
             log.warning("%s named snapshot %s, which is already gone", pointer, snapshot_id)
         # A save of another path may be in flight: objects younger than the grace period stay.

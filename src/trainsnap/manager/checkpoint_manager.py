@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import os
 import statistics
 import time
@@ -57,13 +56,15 @@ from trainsnap.api.async_saver import AsyncSaver, SaveHandle
 from trainsnap.api.options import SaveOptions
 from trainsnap.errors import CommitFailedError, InvalidArgumentError
 from trainsnap.format.manifest import Manifest
-from trainsnap.manager import collection, lease, restore
+from trainsnap.manager import collection, lease, progress, restore
+from trainsnap.manager.between_saves import run_before_next_save
 from trainsnap.manager.decisions import Decisions
 from trainsnap.manager.housekeeping import Housekeeper, SaveGate
 from trainsnap.manager.memory_tier import MemorySaves
 from trainsnap.manager.options import LocalTier, ManagerOptions, MemoryTier
 from trainsnap.manager.policies import StepInfo, as_retention, as_save_policies
 from trainsnap.manager.preemption import PreemptionSignals
+from trainsnap.manager.progress import ProgressRecorder
 from trainsnap.manager.promotion import promote
 from trainsnap.manager.quantize import quantize_history
 from trainsnap.manager.schedule import SaveDecision, Schedule
@@ -166,7 +167,7 @@ class CheckpointManager:
             self.tier_list, as_save_policies(options.weights_interval), self._decisions
         )
         self._restored_at: float | None = None
-        self._last_progress = -math.inf
+        self._progress: ProgressRecorder | None = None
         self._housekeeper = Housekeeper(options.after_commit_queue)
         self._gate = SaveGate()
         self._promoting: set[str] = set()
@@ -196,7 +197,7 @@ class CheckpointManager:
             self.storage,
             self.generation,
             interval=repr(self.policies),
-            progress_seconds=self.options.progress_seconds,
+            **progress.start_fields(self.options.progress_seconds, self.storage),
         )
 
     def _tiers(self) -> list[DiskTier]:
@@ -250,8 +251,8 @@ class CheckpointManager:
     # -- the loop ---------------------------------------------------------------------------
 
     def _note_progress(self, step: int, now: float) -> None:
-        """(coordinator) The restart log's view of how far this run got: the first step after a
-        restore, and this run's progress record at most every ``progress_seconds``."""
+        """(coordinator) The restart log's first step after a restore (how far the run got is
+        recorded when ``step()`` returns: :mod:`trainsnap.manager.progress`)."""
         if not self.comm.is_coordinator or self.generation is None:
             return
         if self._restored_at is not None:
@@ -259,16 +260,6 @@ class CheckpointManager:
             first = lambda: self.record("first_step", step=step, seconds=seconds)  # noqa: E731
             self._housekeeper.submit("recording the first step", first)
             self._restored_at = None
-        if now - self._last_progress >= self.options.progress_seconds:
-            generation = self.generation
-            record = lambda: lease.record_progress(self.storage, generation, step)  # noqa: E731
-            if self.options.progress_seconds <= 0:
-                # Every step asked for: written here, so that a kill loses no record and the
-                # restart log's lost work is exact (one small store write a step).
-                lease.record_progress(self.storage, generation, step)
-                self._last_progress = now
-            elif self._housekeeper.submit("recording progress", record, wait=False):
-                self._last_progress = now
 
     def _window(self, info: StepInfo) -> int:
         """(coordinator) Steps to the next decision step: about ``decision_seconds`` of
@@ -285,7 +276,19 @@ class CheckpointManager:
         returns True if it saved. After a preemption save, :attr:`preempted` is True. Raises
         the error of after-commit work (promotion, retention, collection) that failed since the
         last call. A step that does not save makes no control-plane operation except at a
-        decision step (see the module docstring)."""
+        decision step (see the module docstring). The restart log counts ``step`` as reached
+        once this returns (:mod:`trainsnap.manager.progress`)."""
+        saved = self._step(step, state, metrics)
+        if self._progress is None and self.comm.is_coordinator and self.generation is not None:
+            submit = functools.partial(self._housekeeper.submit, wait=False)
+            self._progress = ProgressRecorder(
+                self.storage, self.generation, self.options.progress_seconds, submit
+            )
+        if self._progress is not None:
+            self._progress.returned(step, saved=saved)
+        return saved
+
+    def _step(self, step: int, state: Any, metrics: Mapping[str, float] | None) -> bool:
         self._check_open()
         self._housekeeper.raise_error()
         now = time.monotonic()
@@ -385,6 +388,8 @@ class CheckpointManager:
         opts.fence = front.fence if coordinator else None
         self._housekeeper.raise_error()
         gated = coordinator and any(t is not self.memory for t in decision.tiers)
+        if self.async_save:
+            self.saver.wait_for_room()  # counted by the gate from its start, not while waiting
         token = self._gate.begin() if gated else 0
         opts.on_commit = lambda sid, m, n: self._committed(token, decision, sid, m, n)
         t0 = time.perf_counter()
@@ -450,10 +455,12 @@ class CheckpointManager:
             self._gate.end(token)
             if front is memory:
                 return
-        self._housekeeper.submit(
-            f"after-commit work of snapshot {sid}",
-            lambda: self._after_commit(token, decision, sid, manifest, bytes_written),
-        )
+        what = f"after-commit work of snapshot {sid}"
+        work = lambda: self._after_commit(token, decision, sid, manifest, bytes_written)  # noqa: E731
+        if not decision.promote_to and self.local is None and front is self.durable:
+            run_before_next_save(self._housekeeper, what, work)  # disk within n + 1 snapshots
+        else:
+            self._housekeeper.submit(what, work)
 
     def _after_commit(
         self,
@@ -566,7 +573,7 @@ class CheckpointManager:
             self._closed = True
             self._signals.restore()
             if self.comm.is_coordinator and self.generation is not None:
-                self.record("close")
+                self.record("close", step=self._progress.reached if self._progress else None)
                 for tier in self._tiers():
                     tier.release()
 

@@ -16,6 +16,7 @@ time between crashes across generations gives the observed MTBF used by ``YoungD
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -147,11 +148,14 @@ class Lease:
         store that does not is refused with an :class:`InvalidArgumentError`, unless
         ``single_writer`` (the caller promises that no two jobs ever write this root at once)
         makes that a warning."""
-        check_fencing(storage, single_writer=single_writer)
-        g = current_generation(storage) + 1
-        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
-        while not storage.put_if_absent(f"{_GEN}{g:012d}", owner.encode()):
-            g += 1  # another job took this one at the same moment
+        try:
+            check_fencing(storage, single_writer=single_writer)
+            g = current_generation(storage) + 1
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+            while not storage.put_if_absent(f"{_GEN}{g:012d}", json.dumps(owner).encode()):
+                g += 1  # another job took this one at the same moment
+        except OSError as e:
+            raise _not_writable(storage, e) from e
         for old in _gens(storage):
             if old < g - 8:  # keep a short history; generations only ever grow
                 storage.delete(f"{_GEN}{old:012d}")
@@ -175,6 +179,20 @@ class Lease:
         must not decide what is garbage from it."""
         body = json.dumps({"newest": newest, "time": time.time()}).encode()
         self.storage.put(f"{_REL}{self.generation:012d}", body)
+
+
+def _not_writable(storage: Storage, error: OSError) -> InvalidArgumentError:
+    """The error of a root the manager cannot write (a read-only mount, no permission, a store
+    that refuses the credentials): it names the root and what to do."""
+    code = errno.errorcode.get(error.errno or 0, "")
+    why = f"{error.strerror or error}" + (f" ({code})" if code else "")
+    return InvalidArgumentError(
+        f"cannot write to {storage.url}: {why}. A CheckpointManager writes its snapshots, its "
+        "writer lease and its restart log there: give it a root this process may write (a "
+        "read-write mount, the permissions or credentials to write), or read the snapshots "
+        "there with ts.load, ts.read or ts.list_snapshots, which never write.",
+        path=storage.url,
+    )
 
 
 def check_fencing(storage: Storage, *, single_writer: bool = False) -> None:

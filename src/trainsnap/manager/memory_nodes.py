@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainsnap.errors import CommitFailedError, InvalidArgumentError, RankErrors, TrainsnapError
+from trainsnap.errors import CommitFailedError, RankErrors, TrainsnapError
+from trainsnap.manager.placement import node_from_environment
 from trainsnap.protocol import commit
 from trainsnap.protocol.collective import all_reduce
 from trainsnap.protocol.control_plane import Comm
@@ -43,21 +44,11 @@ def node_directory(root: str | os.PathLike[str], job: str, node: int) -> Path:
 
 
 def this_node(node: int | None) -> int:
-    """The node of this process: ``node`` if given, else torchrun's ``GROUP_RANK`` (or
-    ``NODE_RANK``), else 0."""
+    """The node of this process: ``node`` if given, else
+    :func:`~trainsnap.manager.placement.node_from_environment`."""
     if node is not None:
         return node
-    for var in ("GROUP_RANK", "NODE_RANK"):
-        raw = os.environ.get(var)
-        if raw is not None:
-            try:
-                return int(raw)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"environment variable {var}={raw!r} is not a node number; pass "
-                    "MemoryTier(node=...)"
-                ) from None
-    return 0
+    return node_from_environment("MemoryTier(node=...)")
 
 
 def local_rank() -> int:

@@ -43,6 +43,7 @@ from trainsnap.manager.memory_nodes import (
     this_node,
 )
 from trainsnap.manager.options import MemoryTier
+from trainsnap.manager.placement import check_copies
 from trainsnap.manager.policies import KeepLast, Retention, SavePolicy, as_save_policies, to_delete
 from trainsnap.manager.tiers import candidate
 from trainsnap.protocol import commit
@@ -117,6 +118,8 @@ class MemorySaves:
         self.topology, self.generation = gather_topology(
             self.comm, self.node, o.replicas, o.domains, generation
         )
+        nodes = len(set(self.topology.nodes))
+        check_copies(nodes, o.replicas, allow_fewer_copies=o.allow_fewer_copies)
         if self.is_leader:
             self.present = take_over(self.storage, self.job, self.generation)
 

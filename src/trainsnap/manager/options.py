@@ -39,9 +39,12 @@ class ManagerOptions:
     quantize_history: bool = False
     """Keep the optimizer state of retained snapshots other than the newest at bfloat16
     precision (recorded as approximate: they restore at ``training``)."""
-    progress_seconds: float = 30.0
+    progress_seconds: float | None = None
     """How often the coordinator records how far the run got (one small object per run,
-    overwritten): the resolution of the lost work a crash's restart reports."""
+    overwritten): the resolution of the lost work a crash's restart reports. 0: before every
+    ``step()`` returns (exact lost work, one store write a step on the training thread); None:
+    every step in the background on a file-system root, every 30 s on an object store
+    (:mod:`trainsnap.manager.progress`)."""
     decision_seconds: float = 1.0
     """How often, in seconds of training, the ranks of a multi-process job look for a shared
     decision (a clock or measured interval, a preemption signal): the coordinator publishes
@@ -94,7 +97,8 @@ class LocalTier:
     """With per-node roots, also keep each node's objects on the next node, so the local tier
     survives the loss of one node."""
     node: int | None = None
-    """This process's node (default: ``NODE_RANK`` or ``GROUP_RANK`` from the environment)."""
+    """This process's node (default: ``GROUP_RANK``, else ``NODE_RANK``, from the environment:
+    :mod:`trainsnap.manager.placement`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,15 +119,19 @@ class MemoryTier:
     processes (not the node)."""
     replicas: int = 1
     """Copies of each node's objects kept on other nodes (0: none; a node loss then loses the
-    memory tier). Fewer nodes than ``1 + replicas`` keep one copy on each node."""
+    memory tier). A job on fewer nodes than ``1 + replicas`` is refused (an
+    ``InvalidArgumentError`` at the first restore or save) unless ``allow_fewer_copies``."""
+    allow_fewer_copies: bool = False
+    """On fewer nodes than ``1 + replicas``, keep one copy on each node instead of refusing
+    (e.g. one node: the memory tier then survives a crash of the processes, not of the node)."""
     keep: int = 2
     """Committed memory snapshots kept per node: the newest one stays complete while the next
     is written."""
     interval: Any = field(default_factory=lambda: Every(steps=1))
     """When to take a memory snapshot (the forms of the manager's ``interval``)."""
     node: int | None = None
-    """This process's node (default: ``GROUP_RANK`` or ``NODE_RANK`` from the environment, as
-    torchrun sets them)."""
+    """This process's node (default: ``GROUP_RANK``, else ``NODE_RANK``, from the environment:
+    :mod:`trainsnap.manager.placement`)."""
     domains: Sequence[int] | None = None
     """The failure domain (rack, power feed) of each node, by node id: a node's partners are the
     next nodes in ring order outside its domain where there are such nodes."""

@@ -11,13 +11,19 @@ Definitions (all times are wall-clock seconds from the events):
   anything else). The newest run, without a clean end, is ``running``: it may still run, or it
   exited without ``close()``; it is not counted as a crash, in the table or in the totals, until
   a newer run follows it.
-* The step a run *reached* is the highest step it recorded: its progress record (written at most
-  every ``ManagerOptions.progress_seconds``), its saves, its restore.
+* The step a run *reached* is the last step whose ``CheckpointManager.step`` returned
+  (:mod:`trainsnap.manager.progress`), as far as the log knows it: the highest step of its
+  progress record (written at every save and at most every ``ManagerOptions.progress_seconds``),
+  its saves, its restore, its preemption and its ``close`` (which records the step reached), and
+  never below the step the next run restored (that snapshot was committed, so its step was
+  reached: a memory tier's saves are not in the log). It is exact when the run ended with
+  ``close`` or a preemption (their events carry the step) or recorded every step
+  (``progress_seconds=0``), and otherwise a lower bound (``reach_is_lower_bound``).
 * The *lost work* of a restart: the step the previous run reached minus the step restored, and
   the training seconds between the save of the restored step and the previous run's last
-  progress. It is exact when the previous run recorded every step (``progress_seconds=0``) or
-  stopped on a preemption, and otherwise a lower bound (``lost_is_lower_bound``): the run may
-  have gone on for up to ``progress_seconds`` after its last record.
+  progress. Exact when the previous run's reach is, and otherwise a lower bound
+  (``lost_is_lower_bound``): the run may have gone on for up to ``progress_seconds`` after its
+  last record.
 * *Restore* seconds: resolving, reading, verifying and applying the snapshot (the restore's
   own RTO, from its start to its end); *since start*: from the process's start to the restore
   done; *to first step*: from the restore done to the first completed step after it. The
@@ -44,10 +50,11 @@ from trainsnap.manager.policies import daly_interval, young_interval
 
 CLEAN_ENDS = ("close", "preempt")
 ENDS = (*CLEAN_ENDS, "superseded", "crash", "running")
-FROM = ("memory (own node)", "memory (partner)", "local disk", "durable")
+_NODE, _PARTNER = "memory (this node)", "memory (partner node)"
+"""The names :attr:`trainsnap.SnapshotInfo.sources` gives the memory tier's two sources (the
+restore event records them): the history says where a restore read from in the same words."""
+FROM = (_NODE, _PARTNER, "local disk", "durable")
 """Where a restore read its snapshot from, nearest first."""
-_PARTNER_BYTES = "memory (partner node)"
-"""The restore event's ``sources`` entry of the bytes fetched from partners' memory."""
 
 
 @dataclass(slots=True)
@@ -61,6 +68,8 @@ class Run:
     """One of :data:`ENDS`."""
     step_reached: int | None = None
     time_reached: float | None = None
+    reach_is_lower_bound: bool = True
+    """The run may have gone past ``step_reached``: it recorded neither every step nor its end."""
     restored_step: int | None = None
     restored_snapshot: str | None = None
     restored_at: float | None = None
@@ -165,6 +174,8 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
         kind, when = event["kind"], float(event["time"])
         if kind == "start":
             run.progress_seconds = _float(event.get("progress_seconds"))
+            every_step = event.get("progress", "every step") == "every step"
+            run.reach_is_lower_bound = not (every_step and run.progress_seconds == 0)
         elif kind == "restore":
             run.restored_step, run.restored_at = _int(event.get("step")), when
             run.restored_snapshot, run.level = _str(event.get("snapshot")), _str(event.get("level"))
@@ -177,8 +188,10 @@ def _run(generation: int, evs: list[Mapping[str, Any]], progress: Mapping[str, A
             run.saves.append((when, int(event["step"])))
             if _float(event.get("pause")) is not None:
                 run.save_pauses.append(float(event["pause"]))
-        if _int(event.get("step")) is not None and kind in ("save", "restore", "preempt"):
+        if _int(event.get("step")) is not None and kind in ("save", "restore", "preempt", "close"):
             reached.append((int(event["step"]), when))
+            if kind in CLEAN_ENDS:
+                run.reach_is_lower_bound = False  # the end event names the step reached
     last_step = _int(progress.get("step")) if progress else None
     last_time = _float(progress.get("time")) if progress else None
     if last_step is not None and last_time is not None:
@@ -199,18 +212,22 @@ def _restored_from(event: Mapping[str, Any]) -> tuple[str | None, int | None]:
     if tier != "memory":
         return None, None
     sources = event.get("sources")
-    partner = _int(sources.get(_PARTNER_BYTES)) if isinstance(sources, Mapping) else None
-    return ("memory (partner)" if partner else "memory (own node)"), partner
+    partner = _int(sources.get(_PARTNER)) if isinstance(sources, Mapping) else None
+    return (_PARTNER if partner else _NODE), partner
 
 
 def _lost_work(previous: Run, run: Run, saved_at: Mapping[str, float]) -> None:
     if run.restored_at is not None and previous.end != "superseded":  # not an outage
         run.rto_seconds = max(0.0, run.restored_at - previous.ended)
-    if run.restored_step is None or previous.step_reached is None:
+    if run.restored_step is None:
         return
-    run.lost_steps = max(0, previous.step_reached - run.restored_step)
-    run.lost_is_lower_bound = previous.end != "preempt" and previous.progress_seconds != 0
     saved = saved_at.get(str(run.restored_snapshot))
+    if previous.step_reached is None or previous.step_reached < run.restored_step:
+        # The restored snapshot was committed before this run started: its step was reached.
+        previous.step_reached = run.restored_step
+        previous.time_reached = saved if saved is not None else previous.time_reached
+    run.lost_steps = previous.step_reached - run.restored_step
+    run.lost_is_lower_bound = previous.reach_is_lower_bound
     if run.lost_steps == 0:
         run.lost_seconds = 0.0
     elif saved is not None and previous.time_reached is not None:

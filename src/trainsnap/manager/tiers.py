@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from trainsnap.errors import InvalidArgumentError
 from trainsnap.manager import lease
+from trainsnap.manager.placement import node_from_environment
 from trainsnap.manager.policies import Candidate, Retention, SavePolicy, to_delete
 from trainsnap.protocol import commit
 from trainsnap.protocol.commit import DIRECT, Committer
@@ -45,7 +46,7 @@ class NodeTier:
         if not roots or not 0 <= node < len(roots):
             raise InvalidArgumentError(
                 f"node {node} outside the {len(roots)} node roots: LocalTier(node=) must be "
-                f"0 to {len(roots) - 1}, or unset to take NODE_RANK"
+                f"0 to {len(roots) - 1}, or unset to take GROUP_RANK, else NODE_RANK"
             )
         self.roots = list(roots)
         self.node = node
@@ -247,5 +248,5 @@ def open_local(
         return open_storage(root, **dict(options or {}))
     roots = [open_storage(r, **dict(options or {})) for r in root]
     if node is None:
-        node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+        node = node_from_environment("LocalTier(node=...)")
     return open_storage(NodeTier(roots, node, partner=partner))

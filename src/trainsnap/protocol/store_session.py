@@ -15,6 +15,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -123,6 +124,18 @@ def _marking(exchange: _Exchange) -> _Exchange:
     return cast(_Exchange, run)
 
 
+_live_sessions: weakref.WeakSet[StoreSession] = weakref.WeakSet()
+
+
+def _stop_heartbeats_at_exit() -> None:
+    """Before exit joins threads: a session left open must not keep the process alive."""
+    for session in list(_live_sessions):
+        session._stop.set()
+
+
+threading._register_atexit(_stop_heartbeats_at_exit)  # type: ignore[attr-defined]
+
+
 class StoreSession:
     """One save's or load's exchanges. Publishes this rank's heartbeat until closed.
 
@@ -183,7 +196,10 @@ class StoreSession:
         self._stop = threading.Event()
         self._beat_key = self._heartbeat_key(comm.rank)
         self.store.add(self._beat_key, 1)
-        self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat", daemon=True)
+        # Not a daemon: one in a store call (C++) at finalization is stopped by pthread_exit,
+        # whose unwind through a noexcept GIL guard aborts (SIGABRT); exit stops and joins it.
+        self._beater = threading.Thread(target=self._beat, name="trainsnap-heartbeat")
+        _live_sessions.add(self)
         self._beater.start()
 
     def _heartbeat_key(self, rank: int) -> str:

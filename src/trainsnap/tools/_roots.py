@@ -6,10 +6,12 @@ stands for, refused with the nearest ids or steps when it names nothing.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from trainsnap.errors import InvalidArgumentError, NotFoundError, TrainsnapError, listed
@@ -65,6 +67,41 @@ def _first_entries(path: Path, limit: int = 64) -> list[Path]:
     return out
 
 
+_storage_options: dict[str, Any] = {}
+"""The command's ``--storage-option`` pairs, for every root it opens (set once per command)."""
+
+
+def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as the ``storage_options=`` of the Python API: VALUE as JSON when it
+    parses (``true``, ``3``, ``{"region_name": "x"}``), else as the string given."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(
+                f"--storage-option {pair!r} is not KEY=VALUE; e.g. "
+                "--storage-option endpoint_url=http://127.0.0.1:9000"
+            )
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        options[key.strip()] = value
+    return options
+
+
+def set_storage_options(options: dict[str, Any]) -> None:
+    """The options :func:`open_root` and :func:`storage_options` give every root of this
+    command."""
+    _storage_options.clear()
+    _storage_options.update(options)
+
+
+def storage_options() -> dict[str, Any]:
+    """The command's ``--storage-option`` pairs (a copy)."""
+    return dict(_storage_options)
+
+
 def open_root(root: str, *, create: bool = False) -> Storage:
     """The storage of ROOT, refusing up front a local path that is not a root: one that does
     not exist (unless ``create``: a command that writes a new root), a file, a snapshot's
@@ -83,7 +120,7 @@ def open_root(root: str, *, create: bool = False) -> Storage:
                 "job saved its snapshots to)",
                 path=root,
             )
-    return open_storage(root)
+    return open_storage(root, **_storage_options)
 
 
 _STEP_RE = re.compile(r"(?:step-?)?(\d{1,18})")

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from trainsnap._version import __version__
 from trainsnap.errors import IncompleteError, InvalidArgumentError, TrainsnapError
+from trainsnap.tools import _roots
 from trainsnap.tools._console import (
     byte_progress,
     growing_progress,
@@ -44,6 +45,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,  # plain help: flags without a "<bool>" value, 80 columns
 )
 
 _ID_HELP = "A snapshot id, a step (55 or step-55), or 'latest'."
@@ -438,14 +440,13 @@ def import_dcp_command(
 
     The DCP metadata is a pickle: it is read with an allow-list (see --trust-pickle)."""
     from trainsnap.protocol import commit
-    from trainsnap.storage import open_storage
     from trainsnap.tools import render
     from trainsnap.tools.import_dcp import import_dcp
 
-    open_root(root, create=True)
+    storage = open_root(root, create=True)
     with growing_progress("importing") as progress:
-        info = import_dcp(dcp_dir, root, step=step, progress=progress, trust_pickle=trust_pickle)
-    m = commit.open_snapshot(open_storage(root), info.id)
+        info = import_dcp(dcp_dir, storage, step=step, progress=progress, trust_pickle=trust_pickle)
+    m = commit.open_snapshot(storage, info.id)
     say(
         f"imported {dcp_dir} as snapshot {info.id} (step {info.step}): "
         f"{len(m.tensor_keys)} tensor(s), {len(m.value_keys)} value(s), "
@@ -540,8 +541,24 @@ def _main(
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
+    storage_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--storage-option",
+            "-o",
+            metavar="KEY=VALUE",
+            help="An option for the store of every root the command opens, as storage_options= "
+            "of the Python API (repeatable; VALUE is JSON when it parses, else a string), e.g. "
+            "-o endpoint_url=http://127.0.0.1:9000 -o anon=true. Environment variables the "
+            "store's library reads (AWS_ENDPOINT_URL, ...) apply too.",
+        ),
+    ] = None,
 ) -> None:
     """Crash-consistent, reshardable, verifiable snapshots of PyTorch training state."""
+    try:
+        _roots.set_storage_options(_roots.parse_storage_options(storage_option or ()))
+    except InvalidArgumentError as e:
+        raise typer.BadParameter(e.message, param_hint="--storage-option") from None
 
 
 def main() -> None:

@@ -325,62 +325,70 @@ def _lost_steps_text(run: Run) -> str:
     return f">={run.lost_steps}" if run.lost_is_lower_bound else str(run.lost_steps)
 
 
+def _reached_text(run: Run) -> str:
+    if run.step_reached is None:
+        return "-"
+    return f">={run.step_reached}" if run.reach_is_lower_bound else str(run.step_reached)
+
+
 def _start_text(started: float) -> str:
     """Month, day and time in UTC: a job's runs rarely span years, and the full date with its
-    zone would take a quarter of a 100-column line."""
+    zone would take a quarter of an 80-column line."""
     return datetime.fromtimestamp(started, timezone.utc).strftime("%m-%d %H:%M:%S")
 
 
 HISTORY_NOTES = (
-    "times in seconds, starts in UTC; >=N: at least N steps lost (the previous run may have",
-    "  gone on past its last progress record); running: no close() yet (still running, or it",
-    "  exited without close()); superseded: a newer job took the root over while it still ran",
+    "times in seconds, starts in UTC; reached: the last step whose step() returned;",
+    "  >=N: at least N (the run may have gone on past its last progress record);",
+    "  running: no close() yet (still running, or it exited without close());",
+    "  superseded: a newer job took the root over while it still ran",
 )
-"""The legend under ``history``'s table, each line under 100 columns."""
+"""The legend under ``history``'s table, each line under 80 columns."""
 
 
 def history_table(runs: Sequence[Run]) -> Table:
-    """One row per run: how it ended, how far it got, and what its restart cost. Fits 100
+    """One row per run: how it ended, how far it got, and what its restart lost. Fits 80
     columns: the restored snapshot is named by its step (``trainsnap show ROOT STEP``), its id
-    is in ``history --json``."""
+    is in ``history --json``; the restart's times are in :func:`restarts_table`."""
     table = new_table("runs (one per writer generation)")
-    columns = ("gen", "started", "end", "reached", "restored", "level", "lost steps", "lost s")
-    for name in (*columns, "restore s", "to step s"):
+    columns = ("gen", "started", "end", "reached", "restored", "level", "lost", "lost s")
+    for name in columns:
         table.add_column(name, justify="left" if name in ("started", "end", "level") else "right")
     for run in runs:
         table.add_row(
             str(run.generation),
             _start_text(run.started),
             Text(run.end),
-            "-" if run.step_reached is None else str(run.step_reached),
+            _reached_text(run),
             "-" if run.restored_step is None else str(run.restored_step),
             Text(run.level or "-"),
             _lost_steps_text(run),
             seconds_text(run.lost_seconds),
-            seconds_text(run.restore_seconds),
-            seconds_text(run.to_first_step_seconds),
         )
     return table
 
 
 RESTART_NOTES = (
-    "from: memory (own node), memory (partner): some node took shards from another node's",
-    "  memory, local disk, durable; restore s: the restore's start to its end; RTO s: the",
-    "  previous run's last record (progress or event) to the restore's end",
+    "from: memory (this node), memory (partner node): some node took shards from",
+    "  another node's memory, local disk, durable; partner: bytes from partners;",
+    "  seconds: restore, from the restore's start to its end; to step, from then to",
+    "  the first step; RTO, from the previous run's last record (progress or event)",
+    "  to the restore's end",
 )
-"""The legend under ``history``'s restarts table, each line under 100 columns."""
+"""The legend under ``history``'s restarts table, each line under 80 columns."""
 
 
 def restarts_table(runs: Sequence[Run]) -> Table | None:
     """One row per restart (a run that restored a snapshot): where it restored from, the
-    steps it lost and how long it took to be back (its RTO); None when no run restored."""
+    steps it lost and how long it took to be back (its RTO); None when no run restored.
+    Fits 80 columns."""
     restored = [run for run in runs if run.restored_step is not None]
     if not restored:
         return None
     table = new_table("restarts (one per restore)")
-    columns = ("gen", "restored", "from", "partner bytes", "lost steps", "restore s", "RTO s")
+    columns = ("gen", "restored", "from", "partner", "lost", "restore", "to step", "RTO")
     for name in columns:
-        table.add_column(name, justify="left" if name == "from" else "right")
+        table.add_column(name, justify="left" if name == "from" else "right", no_wrap=True)
     for run in restored:
         table.add_row(
             str(run.generation),
@@ -389,6 +397,7 @@ def restarts_table(runs: Sequence[Run]) -> Table | None:
             "-" if run.partner_bytes is None else human_size(run.partner_bytes),
             _lost_steps_text(run),
             seconds_text(run.restore_seconds),
+            seconds_text(run.to_first_step_seconds),
             seconds_text(run.rto_seconds),
         )
     return table
