@@ -215,7 +215,12 @@ def _composed_manager(rank: int, world: int, roots: dict[str, str]) -> ts.Checkp
         roots["durable"],
         interval=ts.Every(steps=5),
         local=ts.LocalTier(root=nodes if world > 1 else roots["local"], interval=ts.Every(steps=2)),
-        memory=ts.MemoryTier(root=roots["memory"], interval=ts.Every(steps=1), wait_if_busy=True),
+        memory=ts.MemoryTier(
+            root=roots["memory"],
+            interval=ts.Every(steps=1),
+            wait_if_busy=True,
+            allow_fewer_copies=world == 1,  # one process is one node: no partner to copy to
+        ),
         options=ts.ManagerOptions(timeout=60, staging_budget=1 << 20),
     )
 
@@ -286,7 +291,7 @@ def _composed(tmp_path: Path, world: int) -> None:
     assert _node_steps(Path(roots["durable"])) == [0, 5, 10]  # durable: no retention
     assert ts.verify(roots["durable"]).ok
     for removed, step, named in (
-        (None, 11, "memory (own node)"),
+        (None, 11, "memory (this node)"),
         ("memory", 10, "local disk"),
         ("local", 10, "durable"),
     ):
@@ -315,7 +320,9 @@ def test_memory_local_and_durable_saves_share_one_staging_budget(tmp_path):
         tmp_path / "durable",
         interval=ts.Every(steps=2),
         local=ts.LocalTier(root=tmp_path / "local", interval=ts.Every(steps=1)),
-        memory=ts.MemoryTier(root=str(tmp_path / "memory"), wait_if_busy=True),
+        memory=ts.MemoryTier(
+            root=str(tmp_path / "memory"), wait_if_busy=True, allow_fewer_copies=True
+        ),
         options=ts.ManagerOptions(staging_budget=budget, max_in_flight=2),
     )
     for step in range(6):
