@@ -16,11 +16,12 @@ builtins: ``FileNotFoundError`` for a missing key, ``OSError`` for the rest.
 from __future__ import annotations
 
 import errno
+import errno as _errno
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from trainsnap.errors import CorruptError, InvalidArgumentError
+from trainsnap.errors import CorruptError, InvalidArgumentError, TrainsnapError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -55,6 +56,33 @@ class LinkedDirectoryError(NotRegularFileError, CorruptError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class StoreError(OSError, TrainsnapError):
+    """A store's failure that no builtin names (an HTTP 500, a parse error of its answer):
+    an ``OSError`` for storage code (retried when its ``errno`` is transient), a
+    :class:`~trainsnap.errors.TrainsnapError` naming the store and the key for the user."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        key: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        OSError.__init__(self, errno or _errno.EIO, message)
+        TrainsnapError.__init__(self, message, key=key, path=path)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StoreRefusedError(StoreError, CorruptError):
+    """The store answered something a reader does not take: a body longer than asked for, a
+    listing past its caps. Never retried (asking again gets the same); a
+    :class:`~trainsnap.errors.CorruptError` for the user."""
 
 
 def check_key(key: str) -> str:
