@@ -1243,3 +1243,21 @@ def test_a_lightning_pointer_whose_root_holds_a_nul_byte_is_not_a_pointer(tmp_pa
     pointer.write_text(json.dumps(doc))
     with pytest.raises(ts.IncompatibleError, match="NUL byte"):
         _lightning_pointer.read_pointer(str(pointer))
+
+
+@pytest.mark.parametrize("shape", [(2**32, 2**32)])
+def test_show_of_a_shape_whose_element_count_overflows_int64(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """`show` of such a shape: one error line (the manifest is refused); with a zero dimension
+    (no element at all) the manifest may be shown instead; never a traceback."""
+
+    def huge(manifest: Manifest) -> None:
+        manifest.tensor_shapes[0] = shape
+
+    sid = _hostile_root(tmp_path, huge)
+    done = _cli("show", str(tmp_path), sid)
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-2000:]
+    assert done.returncode in (0, 2), done.stderr[-2000:]
+    if done.returncode == 2 or 0 not in shape:
+        assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr
