@@ -219,6 +219,18 @@ class FsspecStorage:
             self.fs._call_s3("get_object", **request), limits.request_seconds
         )
         body = response["Body"]
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        first = request["Range"][6:].partition("-")[0]
+        answered = str(response.get("ContentRange") or "")
+        if (status == 200 and first != "0") or (
+            status == 206 and not answered.startswith(f"bytes {first}-")
+        ):
+            body.close()  # not the bytes asked for
+            raise StoreRefusedError(
+                f"{where}: the store answered the range {request['Range']!r} with {status} "
+                f"{answered!r}: other bytes than those asked for",
+                path=self.url,
+            )
         chunks, total = [], 0
         try:
             while total < want:

@@ -162,6 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         part = data[start:end]
         status = 206 if self.headers.get("Range") else 200
+        self._content_range = f"bytes {start}-{end - 1}/{len(data)}" if status == 206 else ""
         if lying and store.lie == "drip":
             self._drip(status, part)
         elif lying and store.lie == "truncated":
@@ -230,6 +231,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _drip(self, status: int, part: bytes) -> None:
         self.send_response(status)
+        if status == 206:
+            self.send_header("Content-Range", self._content_range)
         self.send_header("Content-Length", str(len(part)))
         self.end_headers()
         try:
@@ -260,6 +263,8 @@ class _Handler(BaseHTTPRequestHandler):
         close: bool = False,
     ) -> None:
         self.send_response(status)
+        if status == 206 and getattr(self, "_content_range", ""):
+            self.send_header("Content-Range", self._content_range)
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.send_header("Content-Type", content_type)
         self.send_header("Last-Modified", formatdate(usegmt=True))
