@@ -104,6 +104,8 @@ def _handler(store: LyingS3) -> type[BaseHTTPRequestHandler]:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_store: LyingS3
+    _content_range = ""
+    """The Content-Range of the 206 being answered."""
 
     def log_message(self, format: str, *args: Any) -> None:
         return None
@@ -263,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
         close: bool = False,
     ) -> None:
         self.send_response(status)
-        if status == 206 and getattr(self, "_content_range", ""):
+        if status == 206 and self._content_range:
             self.send_header("Content-Range", self._content_range)
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.send_header("Content-Type", content_type)
