@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+import trainsnap
+
 pytest.importorskip("s3fs")
 
 CAP = 16 << 20
@@ -75,7 +77,7 @@ print(json.dumps(answers))
 
 def _probe(cases: list[tuple[str, str]]) -> list[list[Any]]:
     env = {**os.environ, **LIMITS}
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(trainsnap.__file__).resolve().parents[1])  # the trainsnap under test
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(cases)],
