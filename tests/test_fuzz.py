@@ -15,6 +15,13 @@ run: no flakes), in one child process. The long form is one command::
 
 (random inputs from the seed; it prints how many inputs each decoder took and how long;
 ``TRAINSNAP_FUZZ_ONLY=dcp-metadata,tree`` limits a run to those decoders).
+
+Besides mutated files, three generators aim at hostile inputs of their own kind: ``flood``
+(sets, dicts, tree nodes and DCP pickles of integer and float keys crafted to share one hash),
+``dcp-shared`` (pickles whose memo or ``DUP`` nests one record in itself up to 64 times, as a
+set item, a dict key or a plain value), and ``lying-store`` (``list_snapshots`` and ``ts.read``
+against :class:`trainsnap.testing.lying_s3.LyingS3` telling one of its lies, on every key or only
+on markers or manifests; a fortieth of the inputs, each takes seconds).
 """
 
 from __future__ import annotations
@@ -55,8 +62,18 @@ DECODERS: Final = (
     "tree",
     "write-report",
     "dcp-metadata",
+    "flood",
+    "dcp-shared",
+    "lying-store",
     "cli",
 )
+STORE_LIMITS: Final = {
+    "TRAINSNAP_STORE_REQUEST_SECONDS": "1",
+    "TRAINSNAP_STORE_RETRY_SECONDS": "2",
+    "TRAINSNAP_STORE_WHOLE_READ": str(16 << 20),
+    "TRAINSNAP_STORE_LIST_KEYS": "3000",
+}
+"""The object-store limits of the child (the lying-store inputs answer within seconds)."""
 
 
 # -- the parent: one child runs every decoder ---------------------------------------------------
@@ -66,7 +83,7 @@ DECODERS: Final = (
 def results() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch, "results.json")
-        env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+        env = {**os.environ, "MALLOC_ARENA_MAX": "2", **STORE_LIMITS}
         cmd = [sys.executable, __file__, str(out), str(EXAMPLES), SEED or ""]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
         assert done.returncode == 0, done.stderr[-4000:]
@@ -85,7 +102,7 @@ def test_every_input_gives_a_value_or_a_trainsnap_error(
     results: dict[str, Any], decoder: str
 ) -> None:
     result = results[decoder]
-    assert result["tried"] >= min(EXAMPLES, 20), result
+    assert result["tried"] >= min(_examples_of(decoder, EXAMPLES), 20), result
     assert result["findings"] == [], result["findings"][:3]
     assert result["slowest"] < SECONDS_PER_INPUT
 
@@ -346,6 +363,7 @@ def _targets(
         max_leaves=30,
     )
     edits = st.tuples(st.lists(st.integers(0, 50), max_size=6), json_values)
+    store = _lying_store(workdir)
     return {
         "manifest": (
             _mutated(st, samples["manifest"]),
@@ -357,6 +375,16 @@ def _targets(
         "tree": (trees, lambda t: tree.problems(t, set(keys))),
         "write-report": (_mutated(st, samples["report"]), write_reports.decode),
         "dcp-metadata": (_mutated(st, samples["metadata"]), decode_metadata),
+        "flood": (_floods(st), _flood_check(sid)),
+        "dcp-shared": (_shared_pickles(st), decode_metadata),
+        "lying-store": (
+            st.tuples(
+                st.sampled_from(["oversized", "drip", "truncated", "endless", "storm", "bomb"]),
+                st.sampled_from(["list", "read"]),
+                st.sampled_from(["", "COMMITTED", "manifest"]),
+            ),
+            store,
+        ),
         "cli": (
             st.tuples(
                 st.integers(0, 2),
@@ -368,6 +396,111 @@ def _targets(
             cli,
         ),
     }
+
+
+_P: Final = 2**61 - 1
+
+
+def _floods(st: Any) -> Any:
+    """(where, keys): keys of which many share one hash (multiples of 2**61 - 1, their
+    negatives, floats of the same value, -1 and -2), in a container of ``where``'s kind."""
+    key = st.one_of(
+        st.integers(1, 10**6).map(lambda k: k * _P),
+        st.integers(1, 10**6).map(lambda k: -k * _P),
+        st.integers(1, 2**40).map(lambda k: float(k * _P)),
+        st.sampled_from([-1, -2, 0, 0.0, _P, 2 * _P]),
+        st.integers(-(2**70), 2**70),
+    )
+    return st.tuples(
+        st.sampled_from(["$set", "$frozenset", "$dict", "tree", "dcp-set", "dcp-dict"]),
+        st.lists(key, min_size=1, max_size=400),
+        st.integers(0, 3000),
+    )
+
+
+def _flood_check(sid: str) -> Callable[[Any], None]:
+    import pickle
+
+    from trainsnap.format import tree, values
+    from trainsnap.integrations.dcp_metadata import decode_metadata
+
+    def check(case: tuple[str, list[Any], int]) -> None:
+        where, drawn, extra = case
+        keys = list(dict.fromkeys(drawn + [k * _P for k in range(1, extra + 1)]))
+        if where == "tree":
+            tree.problems({"d": [[k, 0] for k in keys]}, {tree.part(k) for k in keys})
+        elif where.startswith("dcp"):
+            out = bytearray(pickle.PROTO + b"\x04")
+            out += pickle.EMPTY_SET if where == "dcp-set" else pickle.EMPTY_DICT
+            out += pickle.MARK
+            for k in keys:
+                out += pickle.dumps(k, protocol=4)[2:-1] + (b"" if where == "dcp-set" else b"N")
+            out += (pickle.ADDITEMS if where == "dcp-set" else pickle.SETITEMS) + pickle.STOP
+            decode_metadata(bytes(out))
+        else:
+            body = keys if where != "$dict" else [[k, 0] for k in keys]
+            data = json.dumps({where: body}).encode()
+            values.decode(values.JSON, data, "k", allow_pickle=False, snapshot_id=sid)
+
+    return check
+
+
+def _shared_pickles(st: Any) -> Any:
+    """Pickles in which each level references the one before twice (``DUP`` or ``MEMOIZE``
+    and a memo ``GET``), up to 64 levels, used as a set item, a dict key or a value."""
+    import pickle
+
+    @st.composite
+    def build(draw: Any) -> bytes:
+        levels = draw(st.integers(1, 64))
+        use = draw(st.sampled_from(["set", "key", "value", "list"]))
+        leaf = draw(st.sampled_from([pickle.EMPTY_TUPLE, pickle.NONE, b"K\x07"]))
+        out = bytearray(pickle.PROTO + b"\x04")
+        out += {"set": pickle.EMPTY_SET, "key": pickle.EMPTY_DICT, "value": pickle.EMPTY_DICT}.get(
+            use, pickle.EMPTY_LIST
+        )
+        out += pickle.MARK + (b"K\x01" if use == "value" else b"") + leaf
+        for i in range(levels):
+            if draw(st.booleans()):
+                out += pickle.DUP + pickle.TUPLE2
+            else:
+                out += pickle.MEMOIZE + pickle.BINGET + bytes([i % 256]) + pickle.TUPLE2
+        closing = {"set": pickle.ADDITEMS, "list": pickle.APPENDS}.get(use, pickle.SETITEMS)
+        if use == "key":
+            out += pickle.NONE
+        return bytes(out + closing + pickle.STOP)
+
+    return build()
+
+
+def _lying_store(workdir: Path) -> Callable[[tuple[str, str, str]], None]:
+    """One input against a lying S3 server holding two snapshots (started once, for the
+    child's life): the lie, the call, and which keys the lie is told on."""
+    import torch
+
+    import trainsnap as ts
+    from trainsnap.testing.lying_s3 import LyingS3
+
+    server = LyingS3().__enter__()
+    server.drip_seconds = 0.3
+    url, options = server.url("fuzz"), server.options
+    for step in (1, 2):
+        ts.save(
+            {"w": torch.ones(3) * step, "cfg": {"s": step}}, url, step=step, storage_options=options
+        )
+
+    def check(case: tuple[str, str, str]) -> None:
+        lie, call, on = case
+        server.lie, server.lie_on = lie, on
+        try:
+            if call == "list":
+                ts.list_snapshots(url, **options)
+            else:
+                ts.read(url, storage_options=options)
+        finally:
+            server.lie = None
+
+    return check
 
 
 def _runner(
@@ -394,6 +527,15 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_HEADROOM, held + MEMORY_HEADROOM))
 
 
+def _examples_of(name: str, examples: int) -> int:
+    """Inputs for ``name``: fewer for the generators whose inputs cost seconds each."""
+    if name == "cli":
+        return max(examples // 4, 20)
+    if name == "lying-store":
+        return max(examples // 40, 3)
+    return examples
+
+
 def _child(out: str, examples: int, seed: str) -> None:
     import logging
 
@@ -418,7 +560,7 @@ def _child(out: str, examples: int, seed: str) -> None:
             tried, slowest, findings = [0], [0.0], []
             run = _runner(check, name, tried, slowest, findings)
             configured = settings(
-                max_examples=examples if name != "cli" else max(examples // 4, 20),
+                max_examples=_examples_of(name, examples),
                 database=None,
                 deadline=None,
                 derandomize=not seed,

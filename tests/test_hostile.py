@@ -1174,3 +1174,90 @@ def test_a_save_refuses_what_no_reader_reads_before_writing(
         (tmp_path / "root" / "objects").rglob("*")
     )
     assert ts.list_snapshots(tmp_path / "root") == []
+
+
+# -- leftovers of the earlier suites (hostile suite 3) ---------------------------------------------
+
+
+def test_a_value_nested_deeper_than_a_reader_reads_makes_restore_fall_back(tmp_path: Path) -> None:
+    """A value of the newest snapshot nested deeper than the decoder accepts made
+    CheckpointManager.restore raise instead of falling back (every other damage falls back)."""
+    from trainsnap.format import values
+
+    first = ts.save(_state(), tmp_path, step=1).id
+    levels = 2 * values.MAX_DEPTH + 10  # deeper than a reader reads, shallow for json
+    real = values.encode_plain
+
+    def crafted(value: Any, path: str = "value") -> bytes:  # a writer that skips the check
+        return b"[" * levels + b"]" * levels if value == "deep" else real(value, path)
+
+    with mock.patch.object(values, "encode_plain", crafted):
+        second = ts.save({**_state(), "cfg": "deep"}, tmp_path, step=2).id
+    with pytest.raises(ts.CorruptError, match="nested deeper"):
+        ts.read(tmp_path, second)
+    with ts.CheckpointManager(tmp_path, options=ts.ManagerOptions(preemption_signals=())) as mgr:
+        assert mgr.restore(_destination()).id == first
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"$npscalar": ["<U1", "/////w=="]},
+        {"$np": ["<U1", [2], "YQAAAP////8="]},
+        {"$np": [">U1", [1], "ABEAAA=="]},
+    ],
+)
+def test_numpy_text_beyond_the_last_code_point_is_corrupt(document: dict[str, Any]) -> None:
+    """$npscalar / $np '<U1' holding 0xFFFFFFFF gave a raw SystemError or a value whose repr
+    raised."""
+    from trainsnap.format import values
+
+    data = json.dumps(document).encode()
+    with pytest.raises(ts.CorruptError, match="beyond U\\+10FFFF"):
+        values.decode(values.JSON, data, "cfg", allow_pickle=False, snapshot_id="s")
+
+
+def test_a_lease_directory_linked_out_of_the_root_is_a_trainsnap_error(tmp_path: Path) -> None:
+    """`lease/` as a link outside gave a NotRegularFileError that was no TrainsnapError."""
+    outside = _outside(tmp_path)
+    before = _canaries(outside)
+    root = tmp_path / "root"
+    ts.save(_state(), root, step=1)
+    (root / "lease").symlink_to(outside, target_is_directory=True)
+    options = ts.ManagerOptions(preemption_signals=())
+    with (
+        pytest.raises(ts.TrainsnapError, match="symbolic link") as refused,
+        ts.CheckpointManager(root, options=options) as mgr,
+    ):
+        mgr.save(_state(), step=2)
+    assert refused.value.path == str(root / "lease")
+    assert _canaries(outside) == before
+
+
+def test_a_lightning_pointer_whose_root_holds_a_nul_byte_is_not_a_pointer(tmp_path: Path) -> None:
+    """It raised a raw ValueError (embedded null byte)."""
+    from trainsnap.integrations import _lightning_pointer
+
+    pointer = tmp_path / "last.ckpt"
+    doc = {"format": _lightning_pointer.POINTER_FORMAT, "root": "ro\0ot", "snapshot": "s"}
+    pointer.write_text(json.dumps(doc))
+    with pytest.raises(ts.IncompatibleError, match="NUL byte"):
+        _lightning_pointer.read_pointer(str(pointer))
+
+
+@pytest.mark.parametrize("shape", [(2**32, 2**32)])
+def test_show_of_a_shape_whose_element_count_overflows_int64(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """`show` of such a shape: one error line (the manifest is refused); with a zero dimension
+    (no element at all) the manifest may be shown instead; never a traceback."""
+
+    def huge(manifest: Manifest) -> None:
+        manifest.tensor_shapes[0] = shape
+
+    sid = _hostile_root(tmp_path, huge)
+    done = _cli("show", str(tmp_path), sid)
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-2000:]
+    assert done.returncode in (0, 2), done.stderr[-2000:]
+    if done.returncode == 2 or 0 not in shape:
+        assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr

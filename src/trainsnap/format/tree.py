@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+from trainsnap.format.flooding import check_spread
+
 LEAF: Final = 0
 MAPPINGS: Final = ("d", "o")
 SEQUENCES: Final = ("l", "t")
@@ -172,7 +174,8 @@ PATH_SLACK: Final = 1 << 24
 def problems(tree: Any, keys: set[str]) -> list[str]:
     """What is wrong with a decoded tree, given the keys of the manifest's entries: every leaf
     must name an entry and every entry be reached by a leaf; nesting is bounded; keys are
-    scalars, distinct within their container; the nodes' paths add up to a bounded length.
+    scalars, distinct within their container, of spread hashes
+    (:mod:`~trainsnap.format.flooding`); the nodes' paths add up to a bounded length.
 
     O(nodes + the keys' total length) time and memory: a path is joined only for a leaf, and
     only when it is no longer than the longest key (it must then name an entry)."""
@@ -235,10 +238,12 @@ def _check(root: Any, keys: set[str]) -> int:
                 piece = str(i)
                 stack.append((c, (link, piece), d + 1, length + 1 + len(piece)))
             continue
-        seen = set()
         for pair in body:
             if not (type(pair) is list and len(pair) == 2 and is_key(pair[0])):
                 raise ValueError(f"bad {_NAMES[k]} item {_short(pair)}")
+        check_spread((pair[0] for pair in body), f"a {_NAMES[k]} node")
+        seen = set()
+        for pair in body:
             key = pair[0]
             tk = (type(key), key)
             if tk in seen:

@@ -30,8 +30,9 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from trainsnap.errors import IncompatibleError, InvalidArgumentError
+from trainsnap.errors import CorruptError, IncompatibleError, InvalidArgumentError
 from trainsnap.format import tree
+from trainsnap.format.flooding import FloodError, check_spread
 
 JSON: Final = "json"
 PICKLE: Final = "pickle"
@@ -65,7 +66,8 @@ class NotPlainError(TypeError):
 
 class UnreadableValueError(InvalidArgumentError):
     """Raised by :func:`encode_plain` for plain data no reader would read back: nested deeper
-    than :data:`MAX_DEPTH`, holding itself, or an integer beyond :data:`MAX_INT`."""
+    than :data:`MAX_DEPTH`, holding itself, an integer beyond :data:`MAX_INT`, or a set or
+    dict whose keys share one hash beyond :data:`~trainsnap.format.flooding.MAX_SHARED_HASH`."""
 
 
 MAX_DEPTH: Final = 200
@@ -94,6 +96,14 @@ def _why_not(value: Any) -> str:
     if cls.__module__ == "argparse" and cls.__name__ == "Namespace":
         return "an argparse.Namespace"
     return "not plain data"
+
+
+def _spread(keys: Any, path: str) -> None:
+    """A save refuses the container a reader would refuse (:mod:`~trainsnap.format.flooding`)."""
+    try:
+        check_spread(keys, _clip(path))
+    except FloodError as e:
+        raise UnreadableValueError(f"{e}; a reader refuses it. Use other keys") from None
 
 
 def _enc_items(pairs: Any, path: str, depth: int) -> list[list[Any]]:
@@ -166,10 +176,13 @@ def _enc_one(value: Any, path: str, depth: int) -> Any:
         plain_keys = all(isinstance(k, str) and not k.startswith("$") for k in value)
         if plain_keys:
             return {k: _enc(x, f"{path}.{k}", depth) for k, x in value.items()}
+        _spread(value, path)
         return {"$dict": _enc_items(value.items(), path, depth)}
     if type(value) is OrderedDict:
+        _spread(value, path)
         return {"$odict": _enc_items(value.items(), path, depth)}
     if type(value) in (set, frozenset):
+        _spread(value, path)
         items = [_enc(x, f"{path}{{}}", depth) for x in value]
         items.sort(key=lambda x: json.dumps(x, sort_keys=True))  # the same bytes on every rank
         return {f"${type(value).__name__}": items}
@@ -234,6 +247,7 @@ def _dec_container(tag: str, body: Any, depth: int) -> Any:
         pairs = _dec_pairs(body, depth)
         return OrderedDict(pairs) if tag == "$odict" else pairs
     items = [_dec(x, depth) for x in _body(tag, body, list)]
+    check_spread(items, tag)
     return set(items) if tag == "$set" else frozenset(items)
 
 
@@ -300,6 +314,10 @@ def _dec_numpy(tag: str, body: Any) -> Any:
     raw = base64.b64decode(text, validate=True)
     if len(raw) != dtype.itemsize * math.prod(shape):
         raise ValueError(f"numpy value of shape {list(shape)} and {len(raw)} bytes disagree")
+    if dtype.kind == "U":  # UCS-4 code units: beyond U+10FFFF no str can hold them
+        units = np.frombuffer(raw, dtype=np.dtype("uint32").newbyteorder(dtype.byteorder))
+        if units.size and int(units.max()) > sys.maxunicode:
+            raise ValueError(f"numpy {name!r} text holds a code point beyond U+10FFFF")
     array = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     return array if tag == "$np" else array[()]
 
@@ -310,11 +328,13 @@ def _dec_pairs(body: Any, depth: int) -> dict[Any, Any]:
         isinstance(pair, list) and len(pair) == 2 for pair in body
     ):
         raise ValueError("$dict holds something other than a list of [key, value] pairs")
-    out = {}
-    for raw_key, item in body:
-        key = _dec(raw_key, depth)
+    keys = [_dec(raw_key, depth) for raw_key, _ in body]
+    for key in keys:
         if not _is_key(key):
             raise ValueError(f"$dict has a key {str(key)[:40]} that is not a scalar")
+    check_spread(keys, "$dict")
+    out = {}
+    for key, (_, item) in zip(keys, body, strict=True):
         if key in out:
             raise ValueError(f"$dict repeats the key {key!r}")
         out[key] = _dec(item, depth)
@@ -356,6 +376,9 @@ def encode(value: Any, key: str, *, allow_pickle: PickleKeys) -> tuple[str, byte
 
 
 def decode(codec: str, data: bytes, key: str, *, allow_pickle: PickleKeys, snapshot_id: str) -> Any:
+    """The value ``data`` holds. :class:`CorruptError` for JSON no writer makes (malformed,
+    nested too deeply, keys that flood a hash table); :class:`IncompatibleError` for pickle
+    without the opt-in or an unknown codec."""
     if codec == JSON:
         try:
             return _dec(json.loads(data))
@@ -367,8 +390,10 @@ def decode(codec: str, data: bytes, key: str, *, allow_pickle: PickleKeys, snaps
             OverflowError,
             RecursionError,
         ) as e:
+            # No trainsnap of this format writes such bytes (a save refuses what a reader
+            # would): they are damage, and a restore falls back past them like other damage.
             why = "nested too deeply" if isinstance(e, RecursionError) else e
-            raise IncompatibleError(
+            raise CorruptError(
                 f"value {key!r} of snapshot {snapshot_id} is not valid trainsnap JSON: {why}",
                 snapshot_id=snapshot_id,
                 key=key,

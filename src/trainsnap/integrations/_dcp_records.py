@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import torch
 
+from trainsnap.format.flooding import FloodError, check_spread
 from trainsnap.integrations._dcp_pickle import (
     DCP_FILESYSTEM,
     DCP_METADATA,
@@ -31,15 +32,28 @@ from trainsnap.integrations._dcp_pickle import (
 
 MAX_DEPTH: Final = 100
 """Deepest nesting of records and containers converted (DCP's own is about 6)."""
+EXPANSION: Final = 64
+"""A pickle's memo lets a record be referenced many times: the converted value, counted as the
+tree it stands for (every reference expanded), may hold at most this many nodes per byte of the
+pickle, plus :data:`EXPANSION_SLACK` (``T(i+1) = (T(i), T(i))`` 40 times is 220 bytes and 2^40
+nodes, and hashing it walks them all)."""
+EXPANSION_SLACK: Final = 1 << 20
+MAX_KEY_NODES: Final = 1 << 12
+"""Most nodes a dict key or set item may expand to (hashing one walks all of them; DCP's are
+strings and small tuples)."""
 
 
 class Converter:
     """Inert records to torch's DCP classes, each built once (shared records stay shared), with
     nesting bounded and cycles refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = EXPANSION_SLACK) -> None:
+        """``budget``: the most nodes the whole converted value may expand to (see
+        :data:`EXPANSION`)."""
         self.done: dict[int, Any] = {}
         self.active: set[int] = set()
+        self.sizes: dict[int, int] = {}
+        self.budget = budget
         from torch.distributed.checkpoint import filesystem, metadata
 
         self.md, self.fs = metadata, filesystem
@@ -60,7 +74,21 @@ class Converter:
         finally:
             self.active.discard(key)
         self.done[key] = out
+        size = 1 + sum(self.sizes.get(id(child), 1) for child in _children(obj))
+        if size > self.budget:
+            raise Refused(
+                f"shared references that expand to more than {self.budget} values (a pickle "
+                "whose memo nests one record in itself over and over)"
+            )
+        self.sizes[key] = size
         return out
+
+    def _key(self, value: Any, source: Any) -> Any:
+        """``value`` (converted from ``source``) as a dict key or set item: hashable and of a
+        bounded expanded size, so that hashing it is cheap."""
+        if self.sizes.get(id(source), 1) > MAX_KEY_NODES:
+            raise Refused(f"a key that expands to more than {MAX_KEY_NODES} values")
+        return _hashable(value)
 
     def _convert(self, obj: Any, depth: int) -> Any:
         if isinstance(obj, tuple):
@@ -68,12 +96,15 @@ class Converter:
         if isinstance(obj, list):
             return [self.value(x, depth) for x in obj]
         if isinstance(obj, DictRecord):
+            keys = [self._key(self.value(k, depth), k) for k, _ in obj.pairs]
+            _spread(keys, "a dict")
             out = OrderedDict() if obj.ordered else {}
-            for k, v in obj.pairs:
-                out[_hashable(self.value(k, depth))] = self.value(v, depth)
+            for key, (_, v) in zip(keys, obj.pairs, strict=True):
+                out[key] = self.value(v, depth)
             return out
         if isinstance(obj, SetRecord):
-            items = [_hashable(self.value(x, depth)) for x in obj.items]
+            items = [self._key(self.value(x, depth), x) for x in obj.items]
+            _spread(items, "a set")
             return frozenset(items) if obj.frozen else set(items)
         if isinstance(obj, Global):
             if obj.module == "torch" and is_torch_constant(obj.name):
@@ -92,6 +123,9 @@ class Converter:
             return self._dataclass(name, self.value(rec.state, depth))
         if rec.built:
             raise Refused(f"BUILD on {module}.{name}")
+        if name in ("set", "frozenset") and rec.args and isinstance(rec.args[0], tuple | list):
+            for source, item in zip(rec.args[0], args[0], strict=False):
+                self._key(item, source)
         return _call(module, name, args)
 
     def _dataclass(self, name: str, state: Any) -> Any:
@@ -112,6 +146,26 @@ class Converter:
             return cls(**kept)
         except (TypeError, ValueError) as e:  # a required field missing
             raise Refused(f"{name} without the fields it needs ({e})") from None
+
+
+def _children(obj: Any) -> Any:
+    """The records and values ``obj`` refers to (for its expanded size)."""
+    if isinstance(obj, tuple | list):
+        return obj
+    if isinstance(obj, DictRecord):
+        return [x for pair in obj.pairs for x in pair]
+    if isinstance(obj, SetRecord):
+        return obj.items
+    if isinstance(obj, Record):
+        return (*obj.args, obj.state)
+    return ()
+
+
+def _spread(keys: list[Any], what: str) -> None:
+    try:
+        check_spread(keys, what)
+    except FloodError as e:
+        raise Refused(str(e)) from None
 
 
 def _hashable(value: Any) -> Any:
@@ -153,6 +207,7 @@ def _call(module: str, name: str, args: list[Any]) -> Any:
             items = list(args[0])
             if name in ("set", "frozenset"):
                 items = [_hashable(x) for x in items]
+                _spread(items, f"a {name}")
             builder = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list}.get(name)
             if builder is not None:
                 return builder(items)

@@ -225,7 +225,8 @@ def _pointer_doc(data: bytes) -> Any:
 def read_pointer(pointer: Any, storage_options: dict[str, Any] | None = None) -> tuple[str, str]:
     """(root, snapshot id) a checkpoint path points to. ``CheckpointNotFoundError`` when no file
     is there; ``IncompatibleError`` when the file is not a pointer (a torch checkpoint, a FIFO,
-    a file over :data:`POINTER_MAX_BYTES`). O(size of the pointer), bounded."""
+    a file over :data:`POINTER_MAX_BYTES`, a root holding a NUL byte). O(size of the pointer),
+    bounded."""
     text = path_text(pointer)
     doc = _pointer_doc(_read_bounded(text, dict(storage_options or {})))
     if not (
@@ -236,6 +237,8 @@ def read_pointer(pointer: Any, storage_options: dict[str, Any] | None = None) ->
     ):
         raise _not_a_pointer(text, "no trainsnap pointer in it (a torch.save checkpoint?)")
     root = doc["root"]
+    if "\0" in root or "\0" in doc["snapshot"]:  # no path or URL holds one: a crafted file
+        raise _not_a_pointer(text, "its root or snapshot holds a NUL byte")
     if not (is_url(root) or os.path.isabs(root)):
         root = join_path(parent_of(text), root)
     return root, doc["snapshot"]

@@ -33,7 +33,13 @@ import torch
 
 from trainsnap.errors import CorruptError, IncompatibleError
 from trainsnap.integrations._dcp_pickle import Malformed, Refused, read_pickle
-from trainsnap.integrations._dcp_records import MAX_DEPTH, Converter, check_shape
+from trainsnap.integrations._dcp_records import (
+    EXPANSION,
+    EXPANSION_SLACK,
+    MAX_DEPTH,
+    Converter,
+    check_shape,
+)
 
 __all__ = [
     "MAX_DEPTH",
@@ -83,9 +89,12 @@ def read_capped(path: Path, cap: int) -> bytes:
 def decode_metadata(data: bytes, where: str = ".metadata") -> Any:
     """DCP ``Metadata`` from the bytes of a ``.metadata`` file, without unpickling them:
     :class:`IncompatibleError` for anything outside what DCP writes, :class:`CorruptError`
-    for a malformed pickle. O(len(data)) time and memory."""
+    for a malformed pickle. O(len(data)) time and memory: shared references count by what they
+    expand to (:data:`~trainsnap.integrations._dcp_records.EXPANSION`), and keys of one hash
+    are bounded (:mod:`~trainsnap.format.flooding`)."""
+    budget = EXPANSION * len(data) + EXPANSION_SLACK
     try:
-        return check_shape(Converter().value(read_pickle(data)))
+        return check_shape(Converter(budget).value(read_pickle(data)))
     except Refused as e:
         raise IncompatibleError(
             f"{where} holds {e}, which is not part of torch's DCP metadata: reading it would "

@@ -68,9 +68,9 @@ def _s3(url: str, options: dict[str, Any]) -> Storage:
             f"root {url!r} needs s3fs, which is not installed: pip install 'trainsnap[s3]'",
             path=url,
         ) from e
-    from trainsnap.storage.fsspec import FsspecStorage
+    from trainsnap.storage.fsspec import CLIENT_RETRIES, FsspecStorage, client_options
 
-    opts = dict(options)
+    opts = client_options(options)
     endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
     client_kwargs = dict(opts.pop("client_kwargs", {}))
     if endpoint:
@@ -81,6 +81,7 @@ def _s3(url: str, options: dict[str, Any]) -> Storage:
         skip_instance_cache=True,
         **opts,
     )
+    fs.retries = CLIENT_RETRIES
     parsed = urlparse(url)
     if not parsed.netloc:
         raise InvalidArgumentError(f"S3 root {url!r} names no bucket (s3://bucket/prefix)")

@@ -15,11 +15,13 @@ builtins: ``FileNotFoundError`` for a missing key, ``OSError`` for the rest.
 
 from __future__ import annotations
 
+import errno
+import errno as _errno
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from trainsnap.errors import InvalidArgumentError
+from trainsnap.errors import CorruptError, InvalidArgumentError, TrainsnapError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -35,6 +37,52 @@ class NotRegularFileError(FileNotFoundError):
     could lead anywhere outside the root), a FIFO (opening it would block), a device or a
     directory. A ``FileNotFoundError``, so that it is never read as an object; readers that
     name problems name it for what it is."""
+
+
+class LinkedDirectoryError(NotRegularFileError, CorruptError):
+    """A directory of a root (``objects/``, ``snapshots/<id>/``, ``lease/``) is a symbolic link:
+    nothing under it is read, written or deleted. Also a :class:`~trainsnap.errors.CorruptError`,
+    so that it reaches the user as a trainsnap error naming the path and the fix wherever it is
+    not handled as an absent key."""
+
+    def __init__(self, path: str) -> None:
+        why = (
+            "a directory of the root is a symbolic link; trainsnap never follows links out of a "
+            "root (replace the link by a directory)"
+        )
+        FileNotFoundError.__init__(self, errno.ELOOP, why, path)
+        CorruptError.__init__(self, f"{path}: {why}", path=path)
+        self.args = (errno.ELOOP, why)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StoreError(OSError, TrainsnapError):
+    """A store's failure that no builtin names (an HTTP 500, a parse error of its answer):
+    an ``OSError`` for storage code (retried when its ``errno`` is transient), a
+    :class:`~trainsnap.errors.TrainsnapError` naming the store and the key for the user."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        key: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        OSError.__init__(self, errno or _errno.EIO, message)
+        TrainsnapError.__init__(self, message, key=key, path=path)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StoreRefusedError(StoreError, CorruptError):
+    """The store answered something a reader does not take: a body longer than asked for, a
+    listing past its caps. Never retried (asking again gets the same); a
+    :class:`~trainsnap.errors.CorruptError` for the user."""
 
 
 def check_key(key: str) -> str:

@@ -26,6 +26,7 @@ from trainsnap import faults
 from trainsnap.errors import TrainsnapError
 from trainsnap.storage.base import (
     Buffer,
+    LinkedDirectoryError,
     NotRegularFileError,
     ShortReadError,
     Steps,
@@ -94,12 +95,7 @@ class PosixStorage:
         part = directory
         while part != self.root:
             if part.is_symlink():
-                raise NotRegularFileError(
-                    errno.ELOOP,
-                    "a directory of the root is a symbolic link; trainsnap never follows links "
-                    "out of a root (replace the link by a directory)",
-                    str(part),
-                )
+                raise LinkedDirectoryError(str(part))
             part = part.parent
         if directory.is_dir():
             with self._lock:

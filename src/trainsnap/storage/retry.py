@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from trainsnap.errors import TrainsnapError
 from trainsnap.storage.base import (
     Buffer,
     ShortReadError,
     Steps,
     Storage,
+    StoreError,
+    StoreRefusedError,
     read_steps,
     read_uncached,
 )
@@ -41,10 +45,31 @@ _TRANSIENT_ERRNOS = {
     errno.EPIPE,
     errno.EBUSY,
     errno.EIO,
+    errno.EREMOTEIO,  # s3fs: HTTP 500 InternalError
 }
 
 
+class StoreUnavailableError(StoreError):
+    """A storage operation that kept failing transiently (timeouts, 503s, reset connections)
+    until the retry budget was spent: names the store, the operation and its key, how many
+    attempts over how long, and the last answer. An ``OSError`` still, for code that handles
+    storage failures; a :class:`~trainsnap.errors.TrainsnapError` for the user."""
+
+    def __init__(self, url: str, what: str, attempts: int, seconds: float, last: BaseException):
+        message = (
+            f"{what} on {url} failed {attempts} time(s) over {seconds:.1f} s, last with "
+            f"{type(last).__name__}: {str(last)[:300]}; the store is unavailable or throttling. "
+            "Check it and try again (TRAINSNAP_STORE_RETRY_SECONDS gives retries more time)"
+        )
+        number = getattr(last, "errno", None)
+        super().__init__(message, errno=number, key=what.partition(" ")[2] or None, path=url)
+
+
 def is_transient(error: BaseException) -> bool:
+    if isinstance(error, StoreUnavailableError | StoreRefusedError):
+        return False  # already a verdict: a budget spent, an answer refused
+    if isinstance(error, TrainsnapError) and not isinstance(error, StoreError):
+        return False
     if isinstance(error, FileNotFoundError | FileExistsError | PermissionError | ShortReadError):
         return False
     if isinstance(error, TimeoutError | ConnectionError):
@@ -53,7 +78,8 @@ def is_transient(error: BaseException) -> bool:
         if error.errno in _TRANSIENT_ERRNOS:
             return True
         text = str(error).lower()
-        return any(w in text for w in ("timeout", "timed out", "throttl", "slow down", "503"))
+        words = ("timeout", "timed out", "throttl", "slow down", "slowdown", "503")
+        return any(w in text for w in words)
     return False
 
 
@@ -67,12 +93,16 @@ class RetryingStorage:
         attempts: int = 5,
         base_delay: float = 0.05,
         max_delay: float = 2.0,
-        deadline: float = 60.0,
+        deadline: float | None = None,
     ) -> None:
+        """``deadline``: seconds after which a failing operation is not tried again
+        (``TRAINSNAP_STORE_RETRY_SECONDS``, else 60)."""
         self.inner = inner
         self.url = inner.url
         self.readinto_is_zero_copy = inner.readinto_is_zero_copy
         self.attempts, self.base_delay, self.max_delay = attempts, base_delay, max_delay
+        if deadline is None:
+            deadline = float(os.environ.get("TRAINSNAP_STORE_RETRY_SECONDS") or 60.0)
         self.deadline = deadline
         self.retries = 0
         """Retries made so far (for tests and reports)."""
@@ -89,9 +119,11 @@ class RetryingStorage:
             try:
                 return fn()
             except Exception as e:
-                late = time.monotonic() - start > self.deadline
-                if not is_transient(e) or attempt == self.attempts or late:
+                spent = time.monotonic() - start
+                if not is_transient(e):
                     raise
+                if attempt == self.attempts or spent > self.deadline:
+                    raise StoreUnavailableError(self.url, what, attempt, spent, e) from e
                 delay = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
                 delay *= 0.5 + random.random()
                 self.retries += 1
