@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 
-from trainsnap.protocol.control_plane import Comm, StoreComm
+from trainsnap.protocol.control_plane import Comm, PeerLost, StoreComm
 
 
 class Decisions:
@@ -66,7 +67,7 @@ class Decisions:
             if len(self.decision_steps) == self.KEEP:
                 self.store.delete_key(f"{self.prefix}/decide/{self.decision_steps[0]}")
         else:
-            doc = json.loads(self.store.get(f"{self.prefix}/decide/{call}"))
+            doc = json.loads(self._read(f"{self.prefix}/decide/{call}", f"decision of call {call}"))
             kinds, nxt = set(doc[0]), int(doc[1])
         self.next = nxt
         self.decision_steps.append(call)
@@ -85,4 +86,23 @@ class Decisions:
             if n >= self.KEEP:
                 self.store.delete_key(f"{self.prefix}/go/{n - self.KEEP}")
             return go
-        return bytes(self.store.get(key)) == b"1"
+        return self._read(key, f"go/skip answer {n}") == b"1"
+
+    def _read(self, key: str, what: str) -> bytes:
+        """(others) The coordinator's value under ``key``, waited for at most the control
+        plane's exchange timeout (``ManagerOptions.timeout``), never the store's own (which can
+        be half an hour): a coordinator partitioned away or hung fails this rank's step with
+        :class:`PeerLost` naming it, as any exchange would."""
+        assert isinstance(self.comm, StoreComm) and self.store is not None
+        bound = self.comm.timeouts.exchange
+        try:
+            self.store.wait([key], timedelta(seconds=bound))
+        except Exception as e:  # the store's wait raises on its timeout (or a broken link)
+            coordinator = self.comm.coordinator
+            why = f"published no {what} within {bound:.0f} s ({type(e).__name__}: {e})"
+            raise PeerLost(
+                f"the coordinator (rank {coordinator}) {why}; if it is alive but slow, raise "
+                "ManagerOptions(timeout=...)",
+                {coordinator: why},
+            ) from e
+        return bytes(self.store.get(key))
