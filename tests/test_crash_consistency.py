@@ -28,7 +28,7 @@ import trainsnap as ts
 from trainsnap import tunables
 from trainsnap.errors import TrainsnapError
 from trainsnap.manager import lease, restarts
-from trainsnap.manager.tiers import promote
+from trainsnap.manager.promotion import promote
 from trainsnap.storage.posix import PosixStorage
 from trainsnap.testing.powercut import PowerCutFS, cut_states, unavailable
 from trainsnap.testing.powercut_fs import Event, Model
@@ -205,10 +205,10 @@ def test_promote(fs: PowerCutFS, tmp_path: Path) -> None:
     returned = []
     for step in (1, 2):
         info = ts.save(values(step), src, step=step, no_dist=True)
-        promote(PosixStorage(src), PosixStorage(dst), info.id)
+        promote(PosixStorage(src), PosixStorage(dst), info.id, writer={"promoted_from": "fast"})
         returned.append((fs.ops(), info.id))
     run = recorded(fs, returned, roots=("root", "fast"))
-    assert sweep(run, tmp_path / "cut", "tiers.promote") > 5
+    assert sweep(run, tmp_path / "cut", "promotion.promote") > 5
 
 
 def test_export(fs: PowerCutFS, tmp_path: Path) -> None:
