@@ -191,3 +191,60 @@ def test_the_trainers_outputs_keep_working(tmp_path: Path):
     assert got["saved_model"] and got["exported"]
     assert "no committed snapshot" in got["refusals"]["True"]
     assert "stock Trainer" in next(v for k, v in got["refusals"].items() if k != "True")
+
+
+def test_a_checkpoint_not_held_is_refused_in_the_trainers_own_words(tmp_path: Path):
+    """Scripts and the Trainer's own tests match its messages ("No valid checkpoint found in
+    output directory", "Can't find a valid checkpoint at"): the refusals carry them, before any
+    training starts (in process: nothing is trained)."""
+    from transformers import TrainingArguments
+
+    import trainsnap as ts
+    from trainsnap.integrations.transformers import TrainsnapTrainer
+
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    trainer = TrainsnapTrainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=[])
+    with pytest.raises(ts.NotFoundError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+    bogus = str(tmp_path / "checkpoint-5-bogus")
+    with pytest.raises(ts.NotFoundError, match="Can't find a valid checkpoint at") as refused:
+        trainer.train(resume_from_checkpoint=bogus)
+    assert "no committed snapshot" in str(refused.value)
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(x * self.a, labels)}
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_size_found(tmp_path: Path):
+    """With ``auto_find_batch_size`` the Trainer resumes at the batch size the run found (from
+    ``trainer_state.json``), not the one it was asked for: the snapshot's ``TrainerState`` gives
+    it. In process: two optimizer steps of a one-parameter model."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from trainsnap.integrations.transformers import TrainsnapTrainer
+
+    class OutOfMemoryAt16(TrainerCallback):  # what find_executable_batch_size reduces on
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.train_batch_size >= 16:
+                raise RuntimeError("CUDA out of memory.")
+
+    data = [{"x": torch.tensor(float(i)), "labels": torch.tensor(2.0 * i)} for i in range(64)]
+    args = TrainingArguments(
+        str(tmp_path), max_steps=2, save_steps=1, per_device_train_batch_size=16,
+        auto_find_batch_size=True, report_to=[], use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    first = TrainsnapTrainer(
+        model=_Regression(), args=args, train_dataset=data, callbacks=[OutOfMemoryAt16()]
+    )
+    first.train()
+    found = first._train_batch_size
+    assert found < 16
+    resumed = TrainsnapTrainer(model=_Regression(), args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._train_batch_size == found

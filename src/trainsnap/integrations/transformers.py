@@ -145,6 +145,7 @@ class TrainsnapMixin:
     _tr_loss: Any
     _total_loss_scalar: Any
     _globalstep_last_logged: Any
+    _train_batch_size: Any
 
     def __init__(self, *args: Any, trainsnap: TrainsnapArguments | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -201,6 +202,11 @@ class TrainsnapMixin:
         """The Trainer's ``train``, saving snapshots; returns once every save is committed
         (the manager is closed: its lease released, its signal handlers removed)."""
         resume = self._ts_find(resume_from_checkpoint)
+        if resume is not None and self.args.auto_find_batch_size:
+            # As the Trainer does from trainer_state.json: the batch size the run found.
+            found = json.loads(self._ts_read(resume, f"extra.{TRAINER_KEY}.state")["state"])
+            if found.get("train_batch_size") is not None:
+                self._train_batch_size = found["train_batch_size"]
         manager = self._ts_open()
         self._ts_resume, self.restored = resume, None
         try:
@@ -209,6 +215,17 @@ class TrainsnapMixin:
             self._ts_resume, self.manager = None, None
             manager.close()
 
+    def _ts_read(self, info: SnapshotInfo, *keys: str) -> Any:
+        """The entries ``keys`` of snapshot ``info``; ``extra.trainer`` entries come back as
+        that dict (O(size of the entries read))."""
+        saved = read(
+            self.snapshot_root,
+            info.id,
+            keys=list(keys),
+            storage_options=self.trainsnap.storage_options,
+        )
+        return saved["extra"][TRAINER_KEY] if all(k.startswith("extra.") for k in keys) else saved
+
     def _ts_find(self, wanted: Any) -> SnapshotInfo | None:
         """The committed snapshot ``resume_from_checkpoint`` names (None: no resume)."""
         if wanted is None or wanted is False:
@@ -216,10 +233,12 @@ class TrainsnapMixin:
         snapshots = list_snapshots(self.snapshot_root, **dict(self.trainsnap.storage_options or {}))
         if wanted is True:
             if not snapshots:
+                # The Trainer's own words first: scripts (and its tests) match them.
                 raise NotFoundError(
-                    f"resume_from_checkpoint=True: no committed snapshot in {self.snapshot_root}; "
-                    "start without resume_from_checkpoint, or set TrainsnapArguments(root=...) to "
-                    "the root the run saved to",
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                    f"resume_from_checkpoint=True found no committed snapshot in "
+                    f"{self.snapshot_root}; start without resume_from_checkpoint, or set "
+                    "TrainsnapArguments(root=...) to the root the run saved to",
                     path=self.snapshot_root,
                 )
             return snapshots[-1]
@@ -232,8 +251,9 @@ class TrainsnapMixin:
             else ""
         )
         raise NotFoundError(
-            f"resume_from_checkpoint={wanted!r}: no committed snapshot of that id or step in "
-            f"{self.snapshot_root}{hint}; steps held: {[s.step for s in snapshots] or 'none'}",
+            f"Can't find a valid checkpoint at {wanted!r}: no committed snapshot of that id or "
+            f"step in {self.snapshot_root}{hint}; "
+            f"steps held: {[s.step for s in snapshots] or 'none'}",
             path=self.snapshot_root,
         )
 
@@ -261,12 +281,7 @@ class TrainsnapMixin:
         info = self._ts_resume
         if info is None:
             return out  # type: ignore[no-any-return]
-        saved = read(
-            self.snapshot_root,
-            info.id,
-            keys=[f"extra.{TRAINER_KEY}", "data"],
-            storage_options=self.trainsnap.storage_options,
-        )
+        saved = self._ts_read(info, f"extra.{TRAINER_KEY}", "data")
         progress = saved["extra"][TRAINER_KEY]
         self._ts_progress = progress
         if self._ts_position is not None and "data" in saved:
