@@ -494,7 +494,7 @@ def _lying_store(workdir: Path) -> Callable[[tuple[str, str, str]], None]:
         server.lie, server.lie_on = lie, on
         try:
             if call == "list":
-                ts.list_snapshots(url, **options)
+                ts.list_snapshots(url, storage_options=options)
             else:
                 ts.read(url, storage_options=options)
         finally:

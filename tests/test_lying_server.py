@@ -51,7 +51,7 @@ with LyingS3() as s3:
         ts.save({"w": torch.ones(4) * step}, url, step=step, storage_options=opts)
     manager = ts.ManagerOptions(preemption_signals=())
     ops = {
-        "list": lambda: ts.list_snapshots(url, **opts),
+        "list": lambda: ts.list_snapshots(url, storage_options=opts),
         "read": lambda: ts.read(url, storage_options=opts),
         "restore": lambda: ts.CheckpointManager(url, storage_options=opts, options=manager)
         .__enter__().restore({"w": torch.zeros(4)}),

@@ -230,7 +230,9 @@ class TrainsnapMixin:
         """The committed snapshot ``resume_from_checkpoint`` names (None: no resume)."""
         if wanted is None or wanted is False:
             return None
-        snapshots = list_snapshots(self.snapshot_root, **dict(self.trainsnap.storage_options or {}))
+        snapshots = list_snapshots(
+            self.snapshot_root, storage_options=self.trainsnap.storage_options
+        )
         if wanted is True:
             if not snapshots:
                 # The Trainer's own words first: scripts (and its tests) match them.
@@ -424,7 +426,9 @@ class TrainsnapMixin:
         handle = self._ts_saves.get(step)
         if handle is not None and hasattr(handle, "done") and not handle.done():
             return None
-        for info in reversed(list_snapshots(self.snapshot_root)):
+        for info in reversed(
+            list_snapshots(self.snapshot_root, storage_options=self.trainsnap.storage_options)
+        ):
             if info.step == step:
                 return os.path.join(self.snapshot_root, "snapshots", info.id)
         return None

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Final
 
-from trainsnap.errors import CommitFailedError, InvalidArgumentError
+from trainsnap.errors import CommitFailedError, InvalidArgumentError, TrainsnapError
 from trainsnap.storage.base import NotRegularFileError, Storage
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ class Lease:
             owner = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
             while not storage.put_if_absent(f"{_GEN}{g:012d}", json.dumps(owner).encode()):
                 g += 1  # another job took this one at the same moment
+        except TrainsnapError:
+            raise  # the store's own account (a refused or unavailable store names itself)
         except OSError as e:
             raise _not_writable(storage, e) from e
         for old in _gens(storage):
