@@ -361,8 +361,15 @@ NEVER = 10**9
 """A durable interval (steps) that never fires: only the memory tier saves."""
 
 
-def _memory_manager(root: str, memory: str, node: int) -> ts.CheckpointManager:
-    tier = ts.MemoryTier(root=f"{memory}/node-{node}", node=node, wait_if_busy=True)
+def _memory_manager(
+    root: str, memory: str, node: int, *, alone: bool = False
+) -> ts.CheckpointManager:
+    """A manager with a memory tier on ``node``; ``alone``: a process by itself (a restore
+    checked from one node, a newer job on one node), which accepts fewer copies than the
+    partner rule asks."""
+    tier = ts.MemoryTier(
+        root=f"{memory}/node-{node}", node=node, wait_if_busy=True, allow_fewer_copies=alone
+    )
     options = ts.ManagerOptions(timeout=8, preemption_signals=())
     return ts.CheckpointManager(root, interval=ts.Every(steps=NEVER), memory=tier, options=options)
 
@@ -398,7 +405,7 @@ def _restore_as_node(root: Path, memory: Path, node: int) -> tuple[int | None, b
     """A restart of one node alone (this process, another topology): the step it restores
     from the memory tier and whether it holds what was saved at that step."""
     destination = blank()
-    mgr = _memory_manager(str(root), str(memory), node)
+    mgr = _memory_manager(str(root), str(memory), node, alone=True)
     try:
         info = mgr.restore(destination)
     finally:
@@ -535,7 +542,7 @@ def _superseded_writer(rank: int, world: int, root: str, memory: str, signals: s
             checked.touch()
             _wait_for(taken)
 
-    mgr = _memory_manager(root, memory, 0)
+    mgr = _memory_manager(root, memory, 0, alone=True)
     errors = []
     for step in (1, 2, 3, 4):
         if step == 3:
@@ -573,7 +580,8 @@ def test_memory_tier_stale_generation_is_never_restored(tmp_path):
         restored: list[int | None] = []
         try:
             _wait_for(signals / "checked", 50)
-            newer = _memory_manager(str(root), str(memory), 0)  # the newer job takes over
+            # the newer job takes over
+            newer = _memory_manager(str(root), str(memory), 0, alone=True)
             try:
                 assert newer.memory is not None
                 newer.memory.start(newer.generation)
