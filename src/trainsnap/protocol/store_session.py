@@ -487,6 +487,10 @@ class StoreSession:
         self._sends += 1
         (key,) = self._decision_keys(self._sends, [self.c.rank])
         value = self._await(key, f"decision on {tag!r}", lambda _: [coordinator])
+        # The coordinator answers only once it finished the gather before (and removed its
+        # count): the count is no longer this rank's to remove. Removed at close instead, it
+        # could be the next session's count under the same name, and lose a report.
+        self._counted = ""
         if self._told:
             self._forget_told()
         # The coordinator sends only after it has read every report before: they can go.
@@ -561,6 +565,7 @@ class StoreSession:
         out = [pickle.loads(v) for v in self.store.multi_get(keys)]
         self.store.delete_key(mine)
         self.store.delete_key(f"{base}/count")
+        self._counted = ""  # removed here: see _receive
         self._unanswered.append(base)
         return out
 
