@@ -1,4 +1,3 @@
-
 """Cached save plans: a rank whose layout did not change sends a digest, the coordinator reuses
 its plan; any layout change on any rank (a shape, a key, a restarted rank) replans exactly, and
 every kind of layout change (dtype, shape, placement, key, value key, replica) changes the
